@@ -1,0 +1,141 @@
+"""On-disk kernel cache: generated source keyed by kernel IR, dtypes, codegen and Triton versions.
+
+    <cache_dir>/<key[:2]>/<key>.py     the generated module (jit kernels + launcher)
+    <cache_dir>/<key[:2]>/<key>.json   {"key", "sha256" of the source, versions}
+
+Writes are atomic (write a temporary file, then rename), so a reader sees a whole entry or none.
+An entry whose metadata is missing, whose checksum does not match its source, or whose module
+fails to import is rebuilt, never trusted. A cache folder that cannot be written is bypassed
+with one warning: the kernel then lives in a temporary folder for this process.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+
+log = logging.getLogger("fusion_compiler")
+
+CODEGEN_VERSION = "1"
+
+
+def _codegen_fingerprint() -> str:
+    """Hash of the code generator's own source: any change to it is a new cache namespace."""
+    h = hashlib.sha256(CODEGEN_VERSION.encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+CODEGEN_FINGERPRINT = _codegen_fingerprint()
+
+
+class KernelCache:
+    """Source of generated kernels on disk, and their imported modules in this process."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.modules: dict = {}
+        self.generated = 0      # sources written by this process
+        self.hits = 0           # sources found on disk
+        self._fallback = None
+
+    @staticmethod
+    def salt() -> tuple:
+        return (CODEGEN_FINGERPRINT, triton.__version__)
+
+    def load(self, key: str, make_source):
+        """Module for ``key``: from memory, from disk, or built with ``make_source()``."""
+        module = self.modules.get(key)
+        if module is not None:
+            return module
+        path = self._path(self.root, key)
+        source = self._read_valid(path, key)
+        if source is not None:
+            module = self._import(path, key)
+            if module is not None:
+                self.hits += 1
+        if module is None:
+            source = make_source()
+            self.generated += 1
+            path = self._write(key, source)
+            module = self._import(path, key)
+            if module is None:
+                raise RuntimeError(f"fusion-compiler: generated kernel {path} does not import")
+        self.modules[key] = module
+        return module
+
+    @staticmethod
+    def _path(root: Path, key: str) -> Path:
+        return root / key[:2] / f"{key}.py"
+
+    def _read_valid(self, path: Path, key: str):
+        meta_path = path.with_suffix(".json")
+        try:
+            meta = json.loads(meta_path.read_text())
+            source = path.read_text()
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if (not isinstance(meta, dict) or meta.get("key") != key
+                or meta.get("sha256") != hashlib.sha256(source.encode()).hexdigest()
+                or meta.get("triton") != triton.__version__
+                or meta.get("codegen") != CODEGEN_FINGERPRINT):
+            log.warning("fusion-compiler: kernel cache entry %s is damaged or stale; rebuilding", path)
+            return None
+        return source
+
+    def _write(self, key: str, source: str) -> Path:
+        meta = {"key": key, "sha256": hashlib.sha256(source.encode()).hexdigest(),
+                "triton": triton.__version__, "codegen": CODEGEN_FINGERPRINT}
+        for root in (self.root, self._fallback_root()):
+            path = self._path(root, key)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_write(path, source)
+                _atomic_write(path.with_suffix(".json"), json.dumps(meta))
+                return path
+            except OSError as exc:
+                log.warning("fusion-compiler: cannot write the kernel cache at %s (%s); "
+                            "using a temporary folder for this process", root, exc)
+        raise RuntimeError("fusion-compiler: no writable folder for generated kernels")
+
+    def _fallback_root(self) -> Path:
+        if self._fallback is None:
+            self._fallback = Path(tempfile.mkdtemp(prefix="fusion-compiler-"))
+        return self._fallback
+
+    def _import(self, path: Path, key: str):
+        name = f"fusion_kernel_{key}"
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            module.launch  # noqa: B018  (a module without its launcher is damaged)
+            return module
+        except Exception as exc:  # a damaged file can fail in any way: rebuild it
+            sys.modules.pop(name, None)
+            log.warning("fusion-compiler: kernel cache entry %s fails to import (%s); rebuilding",
+                        path, exc)
+            return None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

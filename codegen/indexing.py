@@ -1,0 +1,178 @@
+"""Index arithmetic: views as index maps, dimension coalescing, and printing to Triton.
+
+An index is a tuple of sympy expressions in the kernel's iteration symbols, one per dimension of
+the value it addresses. Views, broadcasts, permutes, slices and cat only rewrite indices; the data
+moves once, in the loads and stores of the kernel.
+
+Coalescing merges adjacent iteration dimensions (d, d+1) when every memory access is affine in
+them with coef(d) == coef(d+1) * size(d+1), so a contiguous [B, S, H] access prints as one
+linear offset instead of a chain of divisions.
+"""
+from __future__ import annotations
+
+import sympy
+from torch.utils._sympy.functions import (
+    CleanDiv, FloorDiv, Max, Min, Mod, ModularIndexing, PowByNatural, PythonMod)
+
+from .kernel_ir import NotFusable
+
+
+def broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
+    """Index into an operand broadcast (numpy rules) to ``out_shape``."""
+    lead = len(out_shape) - len(arg_shape)
+    if lead < 0:
+        raise NotFusable(f"operand of rank {len(arg_shape)} wider than result {len(out_shape)}")
+    return tuple(sympy.Integer(0) if s == 1 else index[lead + k] for k, s in enumerate(arg_shape))
+
+
+def linearize(index, shape):
+    lin, mult = sympy.Integer(0), sympy.Integer(1)
+    for i, s in zip(reversed(index), reversed(shape)):
+        lin += i * mult
+        mult *= s
+    return lin
+
+
+def delinearize(lin, shape):
+    out, mult = [], sympy.Integer(1)
+    for k in reversed(range(len(shape))):
+        if shape[k] == 1:
+            out.append(sympy.Integer(0))
+        elif k == 0:
+            out.append(FloorDiv(lin, mult))
+        else:
+            out.append(ModularIndexing(lin, mult, shape[k]))
+        mult *= shape[k]
+    return tuple(reversed(out))
+
+
+def view_index(index: tuple, out_shape: tuple, in_shape: tuple, hints: dict) -> tuple:
+    """Index into the input of a view/reshape, given the index into its output.
+
+    Dims are matched in groups of equal products (as torch's view does); a group of one dim on
+    each side maps straight through, other groups are linearised and split again."""
+    out_shape, in_shape = tuple(out_shape), tuple(in_shape)
+    result = []
+    i = j = 0
+    while i < len(out_shape) or j < len(in_shape):
+        i0, j0 = i, j
+        po = pi = sympy.Integer(1)
+        if i < len(out_shape):
+            po, i = po * out_shape[i], i + 1
+        if j < len(in_shape):
+            pi, j = pi * in_shape[j], j + 1
+        while sympy.simplify(po - pi) != 0:
+            if _hint(po, hints) <= _hint(pi, hints) and i < len(out_shape):
+                po, i = po * out_shape[i], i + 1
+            elif j < len(in_shape):
+                pi, j = pi * in_shape[j], j + 1
+            else:
+                raise NotFusable(f"view {out_shape} -> {in_shape}: dims do not group")
+        # take trailing size-1 dims into the group on both sides
+        while i < len(out_shape) and out_shape[i] == 1 and (j >= len(in_shape) or in_shape[j] != 1):
+            i += 1
+        while j < len(in_shape) and in_shape[j] == 1 and (i >= len(out_shape) or out_shape[i] != 1):
+            j += 1
+        o_dims, i_dims = out_shape[i0:i], in_shape[j0:j]
+        o_idx = index[i0:i]
+        if len(o_dims) == 1 and len(i_dims) == 1:
+            result.append(o_idx[0])
+        else:
+            result.extend(delinearize(linearize(o_idx, o_dims), i_dims))
+    return tuple(result)
+
+
+def _hint(expr, hints):
+    expr = sympy.sympify(expr)
+    return int(expr) if expr.is_Integer else int(expr.xreplace(hints))
+
+
+def affine_coeffs(expr, syms):
+    """{sym: coefficient} if ``expr`` is affine in ``syms``, else None."""
+    coeffs = {}
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        present = term.free_symbols & syms
+        if not present:
+            continue
+        if len(present) > 1:
+            return None
+        s = present.pop()
+        c = sympy.simplify(term / s)
+        if c.has(s):
+            return None
+        coeffs[s] = coeffs.get(s, 0) + c
+    return coeffs
+
+
+def coalesce(syms: list, sizes: list, exprs: list, protected: set = frozenset()):
+    """Merge adjacent iteration dims wherever every access expression allows it.
+
+    Returns (syms, sizes, exprs) with fewer dims; size-1 dims are dropped first."""
+    subs = {s: 0 for s, n in zip(syms, sizes) if n == 1}
+    exprs = [sympy.sympify(e).xreplace(subs) for e in exprs]
+    dims = [(s, n) for s, n in zip(syms, sizes) if n != 1]
+    k = len(dims) - 2
+    while k >= 0:
+        (sa, na), (sb, nb) = dims[k], dims[k + 1]
+        if sa in protected or sb in protected:
+            k -= 1
+            continue
+        ok = True
+        for e in exprs:
+            if not (e.has(sa) or e.has(sb)):
+                continue
+            co = affine_coeffs(e, {sa, sb})
+            if co is None or sympy.simplify(co.get(sa, 0) - co.get(sb, 0) * nb) != 0:
+                ok = False
+                break
+        if ok:
+            exprs = [e.xreplace({sa: 0}) for e in exprs]
+            dims[k:k + 2] = [(sb, na * nb)]
+        k -= 1
+    return [s for s, _ in dims], [n for _, n in dims], exprs
+
+
+def flat_index_subs(syms, sizes, linear):
+    """{sym: expression in ``linear``} for dims iterated in row-major order by one linear index."""
+    return dict(zip(syms, delinearize(linear, sizes)))
+
+
+def print_expr(e) -> str:
+    """A sympy index expression as Triton (or Python) integer code."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return e.name
+    if e.is_Rational:
+        raise NotFusable(f"non-integer index expression {e}")
+    if e.is_Add:
+        return "(" + " + ".join(print_expr(a) for a in e.args) + ")"
+    if e.is_Mul:
+        return "(" + " * ".join(print_expr(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+        return "(" + " * ".join([print_expr(e.base)] * int(e.exp)) + ")"
+    if isinstance(e, PowByNatural):
+        return print_expr(sympy.Pow(*e.args))
+    if isinstance(e, (FloorDiv, CleanDiv)):
+        return f"({print_expr(e.args[0])} // {print_expr(e.args[1])})"
+    if isinstance(e, ModularIndexing):
+        base, div, mod = e.args
+        inner = print_expr(base) if div == 1 else f"({print_expr(base)} // {print_expr(div)})"
+        return f"({inner} % {print_expr(mod)})"
+    if isinstance(e, (Mod, PythonMod, sympy.Mod)):
+        return f"({print_expr(e.args[0])} % {print_expr(e.args[1])})"
+    if isinstance(e, (Max, sympy.Max)):
+        return _fold("max", e.args)
+    if isinstance(e, (Min, sympy.Min)):
+        return _fold("min", e.args)
+    if isinstance(e, sympy.core.relational.Relational):
+        return f"({print_expr(e.lhs)} {e.rel_op} {print_expr(e.rhs)})"
+    raise NotFusable(f"cannot print index expression {e} ({type(e).__name__})")
+
+
+def _fold(fn, args):
+    out = print_expr(args[0])
+    for a in args[1:]:
+        out = f"{fn}({out}, {print_expr(a)})"
+    return out

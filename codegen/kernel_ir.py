@@ -1,0 +1,138 @@
+"""Kernel IR: one fused group, free of FX, canonical, hashable.
+
+A group of FX nodes becomes a small DAG of values:
+
+    values 0 .. len(inputs)-1   tensors the kernel loads (pointer arguments)
+    values len(inputs) ..       one per op, in topological order
+    outputs                     value ids the kernel stores (allocated by the launcher)
+
+Size symbols are renamed k0, k1, ... in order of first use, so two groups of the same structure
+in different graphs (or processes) print the same IR, hash to the same key and share one kernel.
+``symbols`` keeps the graph symbol behind each k, for the call site.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from ..passes.shapes import TensorInfo
+
+
+class NotFusable(Exception):
+    """The group cannot be one generated kernel; the message says why."""
+
+
+@dataclass(frozen=True)
+class IRValue:
+    shape: tuple
+    stride: tuple           # inputs: strides in memory; ops: () (values live in registers)
+    dtype: torch.dtype
+    storage_offset: sympy.Expr = sympy.Integer(0)   # inputs only (as_strided is absolute)
+
+
+@dataclass(frozen=True)
+class IROp:
+    target: str             # e.g. "aten.add.Tensor"
+    args: tuple             # ("ref", id) for values, sympy expressions, python scalars, tuples
+    kwargs: tuple           # sorted (name, value) pairs, same encoding as args
+
+
+@dataclass(frozen=True)
+class KernelIR:
+    inputs: tuple           # IRValue per pointer argument
+    ops: tuple              # IROp per computed value
+    values: tuple           # IRValue for every value id (inputs first)
+    outputs: tuple          # value ids stored by the kernel
+    symbols: tuple          # canonical size symbols k0, k1, ... (runtime int arguments)
+
+    def text(self) -> str:
+        """Canonical text of the IR: what the cache key hashes and what `dump --ir` shows."""
+        lines = [f"symbols {' '.join(map(str, self.symbols))}"]
+        for i, v in enumerate(self.inputs):
+            lines.append(f"%{i} = input {v.dtype} shape={v.shape} stride={v.stride} "
+                         f"offset={v.storage_offset}")
+        for j, op in enumerate(self.ops):
+            vid = len(self.inputs) + j
+            v = self.values[vid]
+            lines.append(f"%{vid} = {op.target}{op.args} {dict(op.kwargs)} -> {v.dtype} {v.shape}")
+        lines.append("outputs " + ", ".join(f"%{o} stride={self.values[o].stride}"
+                                            for o in self.outputs))
+        return "\n".join(lines)
+
+    def key(self, *salt: str) -> str:
+        h = hashlib.sha256(self.text().encode())
+        for s in salt:
+            h.update(b"\0" + s.encode())
+        return h.hexdigest()[:32]
+
+
+def ref_id(arg):
+    return arg[1] if isinstance(arg, tuple) and len(arg) == 2 and arg[0] == "ref" else None
+
+
+class _Canon:
+    """Renames graph size symbols to k0, k1, ... in order of first use."""
+
+    def __init__(self):
+        self.mapping: dict = {}
+
+    def expr(self, e):
+        e = sympy.sympify(e)
+        for s in sorted(e.free_symbols, key=lambda s: s.name):
+            if s not in self.mapping:
+                self.mapping[s] = sympy.Symbol(f"k{len(self.mapping)}", integer=True, positive=True)
+        return e.xreplace(self.mapping)
+
+    def tup(self, t):
+        return tuple(self.expr(x) for x in t)
+
+
+def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
+    """IR of a group: ``nodes`` (topologically ordered FX nodes computed in the kernel, views
+    included), ``inputs`` (FX nodes loaded from memory), ``outputs`` (nodes stored).
+    Returns the IR and the graph symbols in canonical order."""
+    canon = _Canon()
+    ids: dict = {}
+    values, ir_inputs, ops = [], [], []
+    for node in inputs:
+        info: TensorInfo = node.meta["fc_tensor"]
+        v = IRValue(canon.tup(info.shape), canon.tup(info.stride), info.dtype,
+                    canon.expr(info.storage_offset))
+        ids[node] = len(values)
+        values.append(v)
+        ir_inputs.append(v)
+
+    def encode(a):
+        if isinstance(a, torch.fx.Node):
+            if a in ids:
+                return ("ref", ids[a])
+            if "fc_symint" in a.meta:
+                return canon.expr(a.meta["fc_symint"])
+            raise NotFusable(f"{a.name} is neither computed in the group nor loaded by it")
+        if isinstance(a, (list, tuple)):
+            return tuple(encode(x) for x in a)
+        if isinstance(a, torch.SymInt):
+            return canon.expr(a.node.expr)
+        if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+            return str(a)
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        raise NotFusable(f"argument of type {type(a).__name__} is not supported in a kernel")
+
+    for node in nodes:
+        info: TensorInfo = node.meta["fc_tensor"]
+        ops.append(IROp(str(node.target), encode(tuple(node.args)),
+                        tuple(sorted((k, encode(v)) for k, v in node.kwargs.items()))))
+        ids[node] = len(values)
+        values.append(IRValue(canon.tup(info.shape), (), info.dtype))
+    for node in outputs:
+        info: TensorInfo = node.meta["fc_tensor"]
+        stride = canon.tup(info.stride)
+        values[ids[node]] = IRValue(values[ids[node]].shape, stride, info.dtype)
+    ir = KernelIR(tuple(ir_inputs), tuple(ops), tuple(values),
+                  tuple(ids[n] for n in outputs), tuple(canon.mapping.values()))
+    graph_symbols = tuple(canon.mapping.keys())
+    return ir, graph_symbols

@@ -1,0 +1,45 @@
+"""Launch settings shared by every generated launcher: block sizes, warps, looped or not.
+
+One place decides them (Liger-Kernel's ``calculate_settings`` idea), so tuning them tunes every
+kernel. They depend on sizes known only at run time, and are cheap: a few integer operations.
+"""
+from __future__ import annotations
+
+import functools
+
+LOOPED_RBLOCK = 2048        # columns per loop step of a looped row kernel
+ROW_ELEMS = 4096            # elements a persistent row program aims to hold (rows x RBLOCK)
+POINTWISE_BLOCK = 1024
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _warps(elems: int) -> int:
+    if elems >= 32768:
+        return 32
+    if elems >= 8192:
+        return 16
+    if elems >= 2048:
+        return 8
+    if elems >= 512:
+        return 4
+    return 2
+
+
+@functools.lru_cache(maxsize=1024)
+def row_settings(rows: int, n: int, max_persistent_block: int):
+    """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``."""
+    rblock = _next_pow2(max(n, 1))
+    if rblock > max_persistent_block:
+        return 1, LOOPED_RBLOCK, True, 8
+    xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
+    return xblock, rblock, False, _warps(xblock * rblock)
+
+
+@functools.lru_cache(maxsize=1024)
+def pointwise_settings(numel: int):
+    """(BLOCK, num_warps) for a pointwise kernel over ``numel`` elements."""
+    block = min(POINTWISE_BLOCK, _next_pow2(numel))
+    return block, max(1, min(4, block // 128))

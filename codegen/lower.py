@@ -1,0 +1,381 @@
+"""Lowering: kernel IR -> a scheduled kernel (statements placed in loops, symbolic offsets).
+
+Note on the algorithm. Each value of the IR is a function of an index (the `inner_fn` idea):
+``value(v, index)`` emits the statements that compute value ``v`` at ``index`` and returns the
+register holding it. Views rewrite the index and recurse; loads turn it into an offset; cat
+selects between its inputs under a predicate. Values are memoised per (value, index, predicate).
+
+Two iteration spaces:
+
+    pointwise      one linear index over the output shape         xindex
+    row reduction  [rows..., N], reductions over N                rindex (rows), cols
+
+A row-reduction kernel runs in phases: phase L computes the reductions of level L (level = how
+many reductions it depends on), the last phase stores the per-element outputs. Persistent
+kernels keep the row in registers (one scope, nothing recomputed); looped kernels run one loop
+over the row per phase, reloading what a phase needs. Values that do not depend on ``cols``
+(reduction results, per-row loads, what is computed from them) are hoisted out of the loops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from . import ops
+from .indexing import broadcast_index, view_index
+from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
+
+REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
+              "aten.amax.default": "max", "aten.amin.default": "min"}
+VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+COL = sympy.Symbol("c", integer=True, nonnegative=True)
+
+
+@dataclass
+class Var:
+    name: str
+    dtype: torch.dtype      # the ATen dtype this register value stands for
+    row_level: bool         # depends on cols (row kernels); always True in pointwise kernels
+
+
+@dataclass
+class Phase:
+    outer: list = field(default_factory=list)   # statements before the loop (per-row values)
+    body: list = field(default_factory=list)    # statements in the loop over cols
+    reductions: list = field(default_factory=list)  # (result Var, kind, acc name, input Var)
+
+
+@dataclass
+class LoweredKernel:
+    ir: KernelIR
+    kind: str               # "pointwise" | "row"
+    shape: tuple            # pointwise: output shape; row: rows + (N,)
+    phases: list            # list[Phase]
+    stores: list            # (output position, Var, offset, row_level)
+    tail: list              # statements after the last phase (per-row stores)
+    loads: list             # (Var, input id, offset, preds) in order of emission
+    iter_syms: list         # iteration symbols (row syms then COL for row kernels)
+
+
+def iteration_space(ir: KernelIR):
+    """("row", rows + (N,)) if the group reduces, else ("pointwise", output shape)."""
+    red_shapes = {ir.values[ref_id(op.args[0])].shape for op in ir.ops if op.target in REDUCTIONS}
+    if len(red_shapes) > 1:
+        raise NotFusable(f"reductions over different shapes {sorted(map(str, red_shapes))}")
+    out_shapes = {ir.values[o].shape for o in ir.outputs}
+    if red_shapes:
+        shape = red_shapes.pop()
+        rows = shape[:-1]
+        allowed = {shape, rows + (sympy.Integer(1),), rows}
+        bad = out_shapes - allowed
+        if bad:
+            raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
+                             f"per-row of the reduction over {shape}")
+        return "row", shape
+    if len(out_shapes) != 1:
+        raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}")
+    return "pointwise", out_shapes.pop()
+
+
+class Lowering:
+    def __init__(self, ir: KernelIR, hints: dict, persistent: bool):
+        self.ir, self.hints, self.persistent = ir, hints, persistent
+        self.kind, self.shape = iteration_space(ir)
+        prefix = "r" if self.kind == "row" else "i"
+        n_iter = len(self.shape) - (1 if self.kind == "row" else 0)
+        self.iter_syms = [sympy.Symbol(f"{prefix}{d}", integer=True, nonnegative=True)
+                          for d in range(n_iter)] + ([COL] if self.kind == "row" else [])
+        self.phases = [Phase()]
+        self.memo: dict = {}
+        self.counter = 0
+        self.loads, self.stores, self.tail = [], [], []
+        self.levels = self._reduction_levels()
+        self.pending = []       # statements that follow the reductions of the current phase
+
+    # ------------------------------------------------------------------ schedule
+    def run(self) -> LoweredKernel:
+        full = tuple(self.iter_syms)
+        if self.kind == "row":
+            for level in range(max(self.levels.values(), default=-1) + 1):
+                for vid, lv in self.levels.items():
+                    if lv == level:
+                        self._reduce(vid, full)
+                self._next_phase()
+                self.phases[-1].outer.extend(self.pending)
+                self.pending = []
+        for pos, vid in enumerate(self.ir.outputs):
+            val = self.ir.values[vid]
+            if self.kind == "row" and val.shape != self.shape:
+                index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
+                var = self.value(vid, index, frozenset())
+                self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
+            else:
+                var = self.value(vid, full, frozenset())
+                self._emit_to(True, ("store", pos, var, self._offset(full, val.stride), True))
+        return LoweredKernel(self.ir, self.kind, self.shape, self.phases, self.stores, self.tail,
+                             self.loads, self.iter_syms)
+
+    def _next_phase(self):
+        self.phases.append(Phase())
+        if not self.persistent:
+            self.memo = {k: v for k, v in self.memo.items() if not v.row_level}
+
+    def _reduction_levels(self) -> dict:
+        levels, n_in = {}, len(self.ir.inputs)
+        depth = [0] * len(self.ir.values)
+        for j, op in enumerate(self.ir.ops):
+            vid = n_in + j
+            deps = [ref_id(a) for a in _flat(op.args)]
+            d = max((depth[r] for r in deps if r is not None), default=0)
+            if op.target in REDUCTIONS:
+                levels[vid] = d
+                d += 1
+            depth[vid] = d
+        return levels
+
+    def _reduce(self, vid, full):
+        op = self.ir.ops[vid - len(self.ir.inputs)]
+        kind = REDUCTIONS[op.target]
+        src = self.value(ref_id(op.args[0]), full, frozenset())
+        if src.dtype == torch.float64:
+            raise NotFusable("fp64 reductions stay on ATen")
+        dtype = self.ir.values[vid].dtype
+        res = Var(self._name("red"), torch.float32, False)
+        self.phases[-1].reductions.append((res, kind, self._name("acc"), src))
+        out = res
+        if kind == "mean" or dtype != torch.float32:
+            expr = f"tl.math.div_rn({res.name}, N * 1.0)" if kind == "mean" else res.name
+            out = Var(self._name("v"), dtype, False)
+            self.pending.append(("assign", out, ops.cast(expr, torch.float32, dtype)))
+        self.memo[("red", vid)] = out
+
+    # ------------------------------------------------------------------ values
+    def value(self, vid: int, index: tuple, preds: frozenset) -> Var:
+        key = (vid, index, preds)
+        if key in self.memo:
+            return self.memo[key]
+        if vid < len(self.ir.inputs):
+            var = self._load(vid, index, preds, self.ir.values[vid].stride, sympy.Integer(0))
+        else:
+            var = self._op(vid, self.ir.ops[vid - len(self.ir.inputs)], index, preds)
+        self.memo[key] = var
+        return var
+
+    def _load(self, in_id, index, preds, stride, base):
+        offset = base + self._offset(index, stride)
+        row_level = self.kind != "row" or offset.has(COL) or any(p.has(COL) for p in preds)
+        var = Var(self._name("x"), self.ir.inputs[in_id].dtype, row_level)
+        self.loads.append((var, in_id, offset, preds))
+        self._emit_to(row_level, ("load", var, in_id, offset, preds))
+        return var
+
+    def _offset(self, index, stride):
+        if len(index) != len(stride):
+            raise NotFusable(f"index of rank {len(index)} for a tensor of rank {len(stride)}")
+        return sympy.expand(sum((i * s for i, s in zip(index, stride)), sympy.Integer(0)))
+
+    def _op(self, vid, op: IROp, index, preds) -> Var:
+        out = self.ir.values[vid]
+        t, args, kw = op.target, op.args, dict(op.kwargs)
+        if t in REDUCTIONS:
+            return self._reduction_value(vid, index)
+        if t in VIEWS:
+            src = ref_id(args[0])
+            return self.value(src, view_index(index, out.shape, self.ir.values[src].shape,
+                                              self.hints), preds)
+        if t == "aten.expand.default":
+            src = ref_id(args[0])
+            return self.value(src, broadcast_index(index, out.shape, self.ir.values[src].shape),
+                              preds)
+        if t in _INDEX_OPS:
+            src = ref_id(args[0])
+            return self.value(src, _INDEX_OPS[t](index, args, self.ir.values[src].shape), preds)
+        if t == "aten.as_strided.default":
+            return self._as_strided(args, index, preds)
+        if t == "aten.cat.default":
+            return self._cat(vid, args, kw, index, preds)
+        return self._pointwise(vid, op, index, preds)
+
+    def _reduction_value(self, vid, index):
+        rows = tuple(self.iter_syms[:-1])
+        if self.kind != "row" or tuple(index[:len(rows)]) != rows or any(i != 0 for i in index[len(rows):]):
+            raise NotFusable("a reduction result is used at another row than the one it reduces")
+        if ("red", vid) not in self.memo:
+            raise NotFusable("reduction used before it is computed")
+        return self.memo[("red", vid)]
+
+    def _as_strided(self, args, index, preds):
+        src = ref_id(args[0])
+        if src is None or src >= len(self.ir.inputs):
+            raise NotFusable("as_strided of a value computed in the kernel")
+        offset = sympy.sympify(args[3] if len(args) > 3 and args[3] is not None else 0)
+        base = offset - self.ir.inputs[src].storage_offset
+        return self._load(src, index, preds, tuple(sympy.sympify(s) for s in args[2]), base)
+
+    def _cat(self, vid, args, kw, index, preds):
+        """cat as index arithmetic: each input is read under the predicate of its range."""
+        out = self.ir.values[vid]
+        dim = (args[1] if len(args) > 1 else kw.get("dim", 0)) % len(out.shape)
+        parts, lo = [], sympy.Integer(0)
+        for a in args[0]:
+            size = self.ir.values[ref_id(a)].shape[dim]
+            if size == 0:
+                continue
+            pred = set()
+            if lo != 0:
+                pred.add(sympy.Ge(index[dim], lo))
+            if sympy.simplify(lo + size - out.shape[dim]) != 0:
+                pred.add(sympy.Lt(index[dim], lo + size))
+            sub = index[:dim] + (index[dim] - lo,) + index[dim + 1:]
+            v = self.value(ref_id(a), sub, preds | frozenset(pred))
+            parts.append((frozenset(pred), v))
+            lo = lo + size
+        row_level = self.kind != "row" or any(v.row_level or any(p.has(COL) for p in pr)
+                                              for pr, v in parts)
+        var = Var(self._name("v"), out.dtype, row_level)
+        self._emit_to(row_level, ("select", var, parts))
+        return var
+
+    def _pointwise(self, vid, op: IROp, index, preds) -> Var:
+        out = self.ir.values[vid]
+        t = op.target
+        tensors, printed = [], []
+        for a in op.args:
+            r = ref_id(a)
+            if r is not None:
+                v = self.value(r, broadcast_index(index, out.shape, self.ir.values[r].shape), preds)
+                tensors.append(v)
+                printed.append(v)
+            else:
+                printed.append(a)
+        row_level = self.kind != "row" or any(v.row_level for v in tensors)
+        if t in ops.CASTS or t == "aten.copy.default":
+            src = tensors[-1]
+            return self._assign(ops.cast(src.name, src.dtype, out.dtype), out.dtype, row_level)
+        if t in ops.LOGICAL:
+            names = [p.name if isinstance(p, Var) else ops.literal(p, torch.float32) for p in printed]
+            return self._assign(ops.LOGICAL[t](names), torch.bool, row_level)
+        if t == "aten.where.self":
+            c, a, b = printed
+            ct = out.dtype
+            expr = f"tl.where({self._as(c, torch.bool)}, {self._as(a, ct)}, {self._as(b, ct)})"
+            return self._assign(expr, ct, row_level)
+        if t == "aten.masked_fill.Scalar":
+            x, m, fill = printed
+            expr = f"tl.where({self._as(m, torch.bool)}, {self._as(fill, out.dtype)}, {self._as(x, out.dtype)})"
+            return self._assign(expr, out.dtype, row_level)
+        if t == "aten.fill.Scalar":
+            return self._assign(f"tl.full([1], {self._as(printed[1], out.dtype)}, {ops.reg_dtype(out.dtype)})",
+                                out.dtype, row_level)
+        if t not in ops.POINTWISE:
+            raise NotFusable(f"no Triton lowering for {t}")
+        is_compare = t.split(".")[1] in ops.COMPARE
+        ct = ops.compute_dtype([v.dtype for v in tensors]) if is_compare else out.dtype
+        if ct in ops.ROUNDED:
+            ct = torch.float32
+        if ct == torch.bool and not is_compare:
+            raise NotFusable(f"{t} on bool tensors")
+        if is_compare and tensors and tensors[0].dtype in ops.ROUNDED:
+            # ATen compares a bf16/fp16 tensor with a scalar in the tensor's dtype
+            printed = [p if isinstance(p, Var) or not isinstance(p, float)
+                       else torch.tensor(p, dtype=tensors[0].dtype).item() for p in printed]
+        names = [self._as(p, ct) if p is not None else None for p in printed]
+        kwargs = {k: ops.literal(v, ct) for k, v in op.kwargs if isinstance(v, (int, float))}
+        expr = ops.POINTWISE[t](names, kwargs, ct)
+        dtype = torch.bool if is_compare else out.dtype
+        return self._assign(ops.cast(expr, ct, dtype) if not is_compare else expr, dtype, row_level)
+
+    def _as(self, p, ct: torch.dtype) -> str:
+        """An operand (register or scalar) in compute dtype ``ct``."""
+        if isinstance(p, Var):
+            return ops.cast(p.name, p.dtype, ct if ct not in ops.ROUNDED else torch.float32)
+        if isinstance(p, sympy.Expr):
+            return f"({self.index_code(p)} * {'1.0' if ct.is_floating_point else '1'})"
+        return ops.literal(p, ct)
+
+    def index_code(self, e):
+        from .indexing import print_expr
+        return print_expr(e)
+
+    def _assign(self, expr, dtype, row_level) -> Var:
+        var = Var(self._name("v"), dtype, row_level)
+        self._emit_to(row_level, ("assign", var, expr))
+        return var
+
+    def _emit_to(self, row_level, stmt):
+        phase = self.phases[-1]
+        (phase.body if row_level or self.kind != "row" else phase.outer).append(stmt)
+
+    def _name(self, prefix):
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, tuple) and not (len(a) == 2 and a[0] == "ref"):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _slice(index, args, shape):
+    dim = args[1] % len(shape) if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    step = args[4] if len(args) > 4 else 1
+    start = sympy.sympify(start)
+    if start.is_Integer and start < 0:
+        start = shape[dim] + start
+    return index[:dim] + (start + index[dim] * step,) + index[dim + 1:]
+
+
+def _select(index, args, shape):
+    dim = args[1] % len(shape)
+    i = sympy.sympify(args[2])
+    if i.is_Integer and i < 0:
+        i = shape[dim] + i
+    return index[:dim] + (i,) + index[dim:]
+
+
+def _unsqueeze(index, args, shape):
+    dim = args[1] % (len(shape) + 1)
+    return index[:dim] + index[dim + 1:]
+
+
+def _squeeze(index, args, shape):
+    if len(args) < 2:
+        dims = {d for d, s in enumerate(shape) if s == 1}
+    else:
+        dims = args[1] if isinstance(args[1], tuple) else (args[1],)
+        dims = {d % max(len(shape), 1) for d in dims if shape and shape[d % len(shape)] == 1}
+    it = iter(index)
+    return tuple(sympy.Integer(0) if d in dims else next(it) for d in range(len(shape)))
+
+
+def _permute(index, args, shape):
+    out = [None] * len(shape)
+    for k, d in enumerate(args[1]):
+        out[d % len(shape)] = index[k]
+    return tuple(out)
+
+
+def _transpose(index, args, shape):
+    if len(shape) < 2:
+        return index
+    a, b = (args[1] % len(shape), args[2] % len(shape)) if len(args) > 2 else (0, 1)
+    out = list(index)
+    out[a], out[b] = index[b], index[a]
+    return tuple(out)
+
+
+_INDEX_OPS = {
+    "aten.slice.Tensor": _slice, "aten.select.int": _select,
+    "aten.unsqueeze.default": _unsqueeze, "aten.squeeze.dim": _squeeze,
+    "aten.squeeze.dims": _squeeze, "aten.squeeze.default": _squeeze,
+    "aten.permute.default": _permute, "aten.t.default": _transpose,
+    "aten.transpose.int": _transpose,
+    "aten.alias.default": lambda index, args, shape: index,
+    "aten.detach.default": lambda index, args, shape: index,
+}

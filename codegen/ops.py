@@ -1,0 +1,178 @@
+"""Pointwise ATen ops as Triton expressions, and dtype handling.
+
+Values live in registers as fp32 for every float type of 32 bits or less (fp64 stays fp64,
+integers and bool keep their type). After an op whose ATen result is bf16/fp16/fp8 the value is
+rounded to that type and back, so the kernel computes what eager computes op by op.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kernel_ir import NotFusable
+
+TL_DTYPE = {
+    torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
+    torch.float64: "tl.float64", torch.float8_e4m3fn: "tl.float8e4nv",
+    torch.float8_e5m2: "tl.float8e5", torch.int8: "tl.int8", torch.uint8: "tl.uint8",
+    torch.int16: "tl.int16", torch.int32: "tl.int32", torch.int64: "tl.int64",
+    torch.bool: "tl.int1",
+}
+ROUNDED = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def reg_dtype(dtype: torch.dtype) -> str:
+    """Triton type a value of this torch dtype has in registers."""
+    if dtype.is_floating_point:
+        return "tl.float64" if dtype == torch.float64 else "tl.float32"
+    return TL_DTYPE[dtype]
+
+
+def compute_dtype(dtypes) -> torch.dtype:
+    """Dtype an op computes in, from its tensor operands' dtypes (ATen's type promotion)."""
+    floats = [d for d in dtypes if d.is_floating_point]
+    if floats:
+        return torch.float64 if torch.float64 in floats else torch.float32
+    ints = [d for d in dtypes if d != torch.bool]
+    if ints:
+        return max(ints, key=lambda d: (d.itemsize, d.is_signed))
+    return torch.bool
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    """A Python scalar as a Triton literal of the compute dtype."""
+    if isinstance(value, bool) or dtype == torch.bool:
+        return "1" if value else "0"
+    if dtype.is_floating_point:
+        value = float(value)
+        if math.isnan(value):
+            return 'float("nan")'
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        return repr(value)
+    if isinstance(value, float):
+        raise NotFusable(f"float scalar {value} in an integer op")
+    return str(int(value))
+
+
+def _div(a, b, ct):
+    return f"tl.math.div_rn({a}, {b})" if ct == torch.float32 else f"({a} / {b})"
+
+
+def _pow(a, b, ct):
+    """pow with a scalar exponent: exact products for small integers, as ATen does."""
+    try:
+        e = float(b)
+    except ValueError:     # a tensor exponent
+        return f"fl.pow({a}, {b})"
+    if e == 2:
+        return f"({a} * {a})"
+    if e == 3:
+        return f"({a} * {a} * {a})"
+    if e == 1:
+        return a
+    if e == 0.5:
+        return f"tl.sqrt_rn({a})" if ct == torch.float32 else f"tl.sqrt({a})"
+    if e == -1:
+        return _div("1.0", a, ct)
+    if e == -0.5:
+        return f"tl.math.rsqrt({a})"
+    return f"fl.pow({a}, {literal(e, ct)})"
+
+
+def _clamp(x, lo, hi):
+    if lo is not None:
+        x = f"tl.maximum({x}, {lo}, propagate_nan=tl.PropagateNan.ALL)"
+    if hi is not None:
+        x = f"tl.minimum({x}, {hi}, propagate_nan=tl.PropagateNan.ALL)"
+    return x
+
+
+def _alpha(b, alpha):
+    return b if alpha in (None, 1) else f"({b} * {alpha})"
+
+
+# name -> f(args, kwargs, compute_dtype) -> expression; args are operand strings or scalars
+# already printed as literals of the compute dtype (None stays None).
+POINTWISE = {
+    "aten.add.Tensor": lambda a, k, ct: f"({a[0]} + {_alpha(a[1], k.get('alpha'))})",
+    "aten.add.Scalar": lambda a, k, ct: f"({a[0]} + {_alpha(a[1], k.get('alpha'))})",
+    "aten.sub.Tensor": lambda a, k, ct: f"({a[0]} - {_alpha(a[1], k.get('alpha'))})",
+    "aten.sub.Scalar": lambda a, k, ct: f"({a[0]} - {_alpha(a[1], k.get('alpha'))})",
+    "aten.rsub.Scalar": lambda a, k, ct: f"({_alpha(a[1], k.get('alpha'))} - {a[0]})",
+    "aten.mul.Tensor": lambda a, k, ct: f"({a[0]} * {a[1]})",
+    "aten.mul.Scalar": lambda a, k, ct: f"({a[0]} * {a[1]})",
+    "aten.div.Tensor": lambda a, k, ct: _div(a[0], a[1], ct),
+    "aten.div.Scalar": lambda a, k, ct: _div(a[0], a[1], ct),
+    "aten.neg.default": lambda a, k, ct: f"(-{a[0]})",
+    "aten.abs.default": lambda a, k, ct: f"tl.abs({a[0]})",
+    "aten.exp.default": lambda a, k, ct: f"tl.exp({a[0]})",
+    "aten.exp2.default": lambda a, k, ct: f"tl.exp2({a[0]})",
+    "aten.expm1.default": lambda a, k, ct: f"fl.expm1({a[0]})",
+    "aten.log.default": lambda a, k, ct: f"tl.log({a[0]})",
+    "aten.log2.default": lambda a, k, ct: f"tl.log2({a[0]})",
+    "aten.log1p.default": lambda a, k, ct: f"fl.log1p({a[0]})",
+    "aten.sqrt.default": lambda a, k, ct: _pow(a[0], 0.5, ct),
+    "aten.rsqrt.default": lambda a, k, ct: f"tl.math.rsqrt({a[0]})",
+    "aten.reciprocal.default": lambda a, k, ct: _div("1.0", a[0], ct),
+    "aten.sin.default": lambda a, k, ct: f"tl.sin({a[0]})",
+    "aten.cos.default": lambda a, k, ct: f"tl.cos({a[0]})",
+    "aten.tanh.default": lambda a, k, ct: f"fl.tanh({a[0]})",
+    "aten.sigmoid.default": lambda a, k, ct: _div("1.0", f"(1.0 + tl.exp(-{a[0]}))", ct),
+    "aten.erf.default": lambda a, k, ct: f"tl.math.erf({a[0]})",
+    "aten.relu.default": lambda a, k, ct: f"tl.where({a[0]} > 0, {a[0]}, 0)",
+    "aten.pow.Tensor_Scalar": lambda a, k, ct: _pow(a[0], a[1], ct),
+    "aten.pow.Tensor_Tensor": lambda a, k, ct: f"fl.pow({a[0]}, {a[1]})",
+    "aten.clamp.default": lambda a, k, ct: _clamp(a[0], *(list(a[1:]) + [None, None])[:2]),
+    "aten.clamp.Tensor": lambda a, k, ct: _clamp(a[0], *(list(a[1:]) + [None, None])[:2]),
+    "aten.clamp_min.default": lambda a, k, ct: _clamp(a[0], a[1], None),
+    "aten.clamp_max.default": lambda a, k, ct: _clamp(a[0], None, a[1]),
+    "aten.maximum.default": lambda a, k, ct: _clamp(a[0], a[1], None),
+    "aten.minimum.default": lambda a, k, ct: _clamp(a[0], None, a[1]),
+    "aten.sign.default": lambda a, k, ct: f"tl.where({a[0]} > 0, 1, tl.where({a[0]} < 0, -1, 0))",
+    "aten.floor.default": lambda a, k, ct: f"tl.floor({a[0]})",
+    "aten.ceil.default": lambda a, k, ct: f"tl.ceil({a[0]})",
+    "aten.trunc.default": lambda a, k, ct: f"fl.trunc({a[0]})",
+    "aten.bitwise_not.default": lambda a, k, ct: f"(~{a[0]})",
+    "aten.bitwise_and.Tensor": lambda a, k, ct: f"({a[0]} & {a[1]})",
+    "aten.bitwise_or.Tensor": lambda a, k, ct: f"({a[0]} | {a[1]})",
+}
+COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+for _name, _sym in COMPARE.items():
+    for _overload in ("Tensor", "Scalar"):
+        POINTWISE[f"aten.{_name}.{_overload}"] = (
+            lambda a, k, ct, s=_sym: f"({a[0]} {s} {a[1]})")
+# Ops whose operands are bool, whatever the tensors' dtypes.
+LOGICAL = {
+    "aten.logical_not.default": lambda a: f"({a[0]} == 0)",
+    "aten.logical_and.default": lambda a: f"(({a[0]} != 0) & ({a[1]} != 0))",
+    "aten.logical_or.default": lambda a: f"(({a[0]} != 0) | ({a[1]} != 0))",
+    "aten.isnan.default": lambda a: f"({a[0]} != {a[0]})",
+    "aten.isinf.default": lambda a: f"(tl.abs({a[0]}) == float(\"inf\"))",
+}
+# Ops that only change the dtype (or nothing): the value is the operand's, cast.
+CASTS = {"aten.clone.default", "aten._to_copy.default", "prims.convert_element_type.default",
+         "aten.alias.default", "aten.detach.default"}
+
+
+def cast(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
+    """Register value of dtype ``src`` as a register value of dtype ``dst``, rounding as eager."""
+    src_reg, dst_reg = reg_dtype(src), reg_dtype(dst)
+    if dst == torch.bool and src != torch.bool:
+        return f"({expr} != 0)"
+    if dst in ROUNDED:
+        if src == dst:
+            return expr
+        if src_reg != "tl.float32":
+            expr = f"{expr}.to(tl.float32)"
+        if dst == torch.bfloat16:
+            return f"fl.round_bf16({expr})"
+        if dst == torch.float8_e4m3fn:
+            return f"fl.round_fp8e4m3({expr})"
+        if dst == torch.float8_e5m2:
+            raise NotFusable("float8_e5m2 results stay on ATen (overflow rules differ)")
+        return f"{expr}.to({TL_DTYPE[dst]}).to(tl.float32)"
+    if src_reg == dst_reg:
+        return expr
+    return f"{expr}.to({dst_reg})"

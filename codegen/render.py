@@ -1,0 +1,283 @@
+"""Render a lowered kernel as Triton source: the jit kernel(s) and the host launcher.
+
+The layout follows the Triton tutorials (02-fused-softmax, 05-layer-norm): one program per block
+of rows (row kernels) or per block of elements (pointwise kernels), masks on every load and
+store, fp32 math, a header comment naming the fused ops and the estimated bytes.
+"""
+from __future__ import annotations
+
+import re
+
+import sympy
+
+from . import ops
+from .indexing import coalesce, delinearize, print_expr
+from .kernel_ir import KernelIR
+from .lower import COL, Lowering, LoweredKernel, iteration_space
+
+XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
+RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
+COLS = sympy.Symbol("cols", integer=True, nonnegative=True)
+INDEX_LIMIT = 2**31 - 1
+
+
+def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -> str:
+    """Full source of the module for one fused group."""
+    kind, shape = iteration_space(ir)
+    kernels = []
+    if kind == "pointwise":
+        kernels.append(("pointwise", _render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
+    else:
+        n = shape[-1]
+        fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
+        if not n.is_Integer or fits:
+            kernels.append(("persistent", _render_kernel(Lowering(ir, hints, True).run(), "_persistent_kernel")))
+        if not fits:
+            kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
+    header = _header(ir, hints, title, kind)
+    body = "\n\n".join(src for _, (src, _) in kernels)
+    launcher = _render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
+                                max_persistent_block)
+    return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
+
+
+_IMPORTS = """import torch
+import triton
+import triton.language as tl
+
+from fusion_compiler.codegen import triton_lib as fl
+from fusion_compiler.codegen.launch import pointwise_settings, row_settings
+"""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _header(ir, hints, title, kind):
+    def nbytes(v):
+        return int(sympy.sympify(sympy.Mul(*v.shape)).xreplace(_canon_hints(ir, hints))) * v.dtype.itemsize
+    read = sum(nbytes(v) for v in ir.inputs)
+    written = sum(nbytes(ir.values[o]) for o in ir.outputs)
+    names = [op.target.replace("aten.", "").replace("prims.", "") for op in ir.ops]
+    lines = [f"# fusion-compiler: {title} ({kind} kernel)",
+             f"# fused ops ({len(names)}): " + ", ".join(names),
+             f"# estimated bytes at the example sizes: {read} read + {written} written"]
+    return "\n".join(lines)
+
+
+def _canon_hints(ir, hints):
+    return {s: hints.get(s, 1) for s in ir.symbols} if hints else {}
+
+
+# ---------------------------------------------------------------------------------- kernel
+def _render_kernel(lk: LoweredKernel, name: str):
+    """Source of one @triton.jit kernel and the names of its runtime size arguments."""
+    row = lk.kind == "row"
+    exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in _all_stores(lk)]
+    preds = {p for _, _, _, ps in lk.loads for p in ps} | _select_preds(lk)
+    exprs += list(preds)
+    syms = lk.iter_syms[:-1] if row else lk.iter_syms
+    sizes = list(lk.shape[:-1]) if row else list(lk.shape)
+    protected = set().union(*(p.free_symbols for p in preds)) if preds else set()
+    new_syms, new_sizes, _ = coalesce(syms, sizes, exprs, protected)
+    subs = {s: 0 for s in syms if s not in new_syms}
+    subs.update(dict(zip(new_syms, delinearize(RINDEX if row else XINDEX, new_sizes))))
+    subs[COL] = COLS
+    vec = {RINDEX, COLS} if row else {XINDEX}
+
+    def idx(e):
+        return sympy.sympify(e).xreplace(subs)
+
+    def mask_of(parts_syms, pred_set):
+        parts = []
+        if row:
+            if RINDEX in parts_syms:
+                parts.append("rmask")
+            if COLS in parts_syms:
+                parts.append("cmask")
+        elif XINDEX in parts_syms:
+            parts.append("xmask")
+        parts += [print_expr(idx(p)) for p in sorted(pred_set, key=str)]
+        return " & ".join(parts)
+
+    def load(stmt):
+        _, var, in_id, offset, pred_set = stmt
+        off = idx(offset)
+        conv = "" if ops.reg_dtype(var.dtype) == ops.TL_DTYPE.get(var.dtype) else f".to({ops.reg_dtype(var.dtype)})"
+        used = off.free_symbols & vec
+        pred_syms = set().union(*(idx(p).free_symbols for p in pred_set)) & vec if pred_set else set()
+        if not used and not pred_syms:
+            return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}){conv}"]
+        pad = "".join(f" + 0 * {s.name}" for s in sorted(pred_syms - used, key=str))
+        m = mask_of(used | pred_syms, pred_set)
+        return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}, other=0){conv}"]
+
+    def store(stmt):
+        _, pos, var, offset, row_level = stmt
+        off = idx(offset)
+        want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
+        pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
+        dt = ops.TL_DTYPE[lk.ir.values[lk.ir.outputs[pos]].dtype]
+        return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {var.name}.to({dt}), mask={mask_of(want, ())})"]
+
+    def stmt_lines(stmt):
+        kind = stmt[0]
+        if kind == "load":
+            return load(stmt)
+        if kind == "store":
+            return store(stmt)
+        if kind == "assign":
+            return [f"{stmt[1].name} = {stmt[2]}"]
+        if kind == "select":
+            var, parts = stmt[1], stmt[2]
+            expr = ops.cast(parts[-1][1].name, parts[-1][1].dtype, var.dtype)
+            for pred_set, v in reversed(parts[:-1]):
+                cond = " & ".join(print_expr(idx(p)) for p in sorted(pred_set, key=str))
+                expr = f"tl.where({cond}, {ops.cast(v.name, v.dtype, var.dtype)}, {expr})"
+            return [f"{var.name} = {expr}"]
+        raise AssertionError(kind)
+
+    lines = []
+    if row:
+        lines += ["pid = tl.program_id(0)",
+                  "if INDEX64:",
+                  "    pid = pid.to(tl.int64)",
+                  "rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
+                  "rmask = rindex < R"]
+        lines += _row_phases(lk, stmt_lines, persistent=name == "_persistent_kernel")
+        for stmt in lk.tail:
+            lines += stmt_lines(stmt)
+    else:
+        lines += ["pid = tl.program_id(0)",
+                  "if INDEX64:",
+                  "    pid = pid.to(tl.int64)",
+                  "xindex = pid * BLOCK + tl.arange(0, BLOCK)",
+                  "xmask = xindex < numel"]
+        for stmt in lk.phases[0].outer + lk.phases[0].body:
+            lines += stmt_lines(stmt)
+    code = "\n".join("    " + ln for ln in lines)
+    size_args = sorted({m for m in re.findall(r"\bk\d+\b", code)}, key=lambda s: int(s[1:]))
+    params = [f"in{i},  # {v.dtype} {list(v.shape)}" for i, v in enumerate(lk.ir.inputs)]
+    params += [f"out{p},  # {lk.ir.values[o].dtype} {list(lk.ir.values[o].shape)}"
+               for p, o in enumerate(lk.ir.outputs)]
+    params += [f"{s}," for s in size_args]
+    if row:
+        params += ["R, N,  # rows, row length", "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr,",
+                   "INDEX64: tl.constexpr,"]
+        nospec = '"R"'
+    else:
+        params += ["numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
+        nospec = '"numel"'
+    sig = "\n".join("    " + p for p in params)
+    src = f"@triton.jit(do_not_specialize=[{nospec}])\ndef {name}(\n{sig}\n):\n{code}"
+    return src, size_args
+
+
+def _all_stores(lk):
+    for ph in lk.phases:
+        for s in ph.outer + ph.body:
+            if s[0] == "store":
+                yield s
+    yield from (s for s in lk.tail if s[0] == "store")
+
+
+def _select_preds(lk):
+    preds = set()
+    for ph in lk.phases:
+        for s in ph.outer + ph.body:
+            if s[0] == "select":
+                for pred_set, _ in s[2]:
+                    preds |= set(pred_set)
+    return preds
+
+
+_RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+_RED_FINAL = {"sum": "tl.sum({a}, axis=1)[:, None]", "mean": "tl.sum({a}, axis=1)[:, None]",
+              "max": "fl.row_max({a}, 1)[:, None]", "min": "fl.row_min({a}, 1)[:, None]"}
+_RED_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v})",
+             "min": "fl.min_combine({a}, {v})"}
+
+
+def _row_phases(lk, stmt_lines, persistent):
+    lines = []
+    if persistent:
+        lines += ["cols = tl.arange(0, RBLOCK)[None, :]", "cmask = cols < N", "mask = rmask & cmask"]
+    for ph in lk.phases:
+        for stmt in ph.outer:
+            lines += stmt_lines(stmt)
+        if not ph.body and not ph.reductions:
+            continue
+        body = [ln for stmt in ph.body for ln in stmt_lines(stmt)]
+        if persistent:
+            lines += body
+            for res, kind, acc, src in ph.reductions:
+                masked = f"tl.where(mask, {src.name}, {_RED_INIT[kind]})"
+                lines.append(f"{res.name} = " + _RED_FINAL[kind].format(a=masked))
+            continue
+        for res, kind, acc, src in ph.reductions:
+            lines.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {_RED_INIT[kind]}, tl.float32)")
+        lines += ["for off in range(0, N, RBLOCK):",
+                  "    cols = off + tl.arange(0, RBLOCK)[None, :]",
+                  "    cmask = cols < N",
+                  "    mask = rmask & cmask"]
+        lines += ["    " + ln for ln in body]
+        for res, kind, acc, src in ph.reductions:
+            step = _RED_STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {_RED_INIT[kind]})")
+            lines.append(f"    {acc} = {step}")
+        for res, kind, acc, src in ph.reductions:
+            lines.append(f"{res.name} = " + _RED_FINAL[kind].format(a=acc))
+    return lines
+
+
+# ---------------------------------------------------------------------------------- launcher
+def _py(e) -> str:
+    return print_expr(sympy.sympify(e))
+
+
+def _max_offset(shape, stride):
+    return sum(((s - 1) * st for s, st in zip(shape, stride)), sympy.Integer(0))
+
+
+def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block):
+    syms = [s.name for s in ir.symbols]
+    ins = [f"in{i}" for i in range(len(ir.inputs))]
+    lines = [f"def launch({', '.join(ins + syms)}):"]
+    outs = []
+    for p, o in enumerate(ir.outputs):
+        v = ir.values[o]
+        lines.append(f"    out{p} = torch.empty_strided(({''.join(_py(s) + ', ' for s in v.shape)}), "
+                     f"({''.join(_py(s) + ', ' for s in v.stride)}), dtype={v.dtype}, device=DEVICE)")
+        outs.append(f"out{p}")
+    extents = [sympy.Mul(*shape)] + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs]
+    extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
+    dynamic = [e for e in extents if not sympy.sympify(e).is_Integer]
+    static64 = any(int(e) > INDEX_LIMIT for e in extents if sympy.sympify(e).is_Integer)
+    index64 = " or ".join(["True" if static64 else "False"] + [f"{_py(e)} > {INDEX_LIMIT}" for e in dynamic])
+    ptrs = ", ".join(ins + outs)
+    if kind == "pointwise":
+        args = ", ".join([ptrs] + kernels["pointwise"] + ["numel"])
+        lines += [f"    numel = {_py(sympy.Mul(*shape))}",
+                  "    if numel > 0:",
+                  "        BLOCK, num_warps = pointwise_settings(numel)",
+                  "        grid = (triton.cdiv(numel, BLOCK),)",
+                  f"        _pointwise_kernel[grid]({args}, BLOCK=BLOCK, INDEX64={index64}, num_warps=num_warps)"]
+    else:
+        lines += [f"    R = {_py(sympy.Mul(*shape[:-1]))}",
+                  f"    N = {_py(shape[-1])}",
+                  "    if R > 0:",
+                  f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block})",
+                  "        grid = (triton.cdiv(R, XBLOCK),)"]
+        calls = []
+        for name in ("persistent", "looped"):
+            if name in kernels:
+                a = ", ".join([ptrs] + kernels[name] + ["R", "N"])
+                calls.append((name, f"_{name}_kernel[grid]({a}, XBLOCK=XBLOCK, RBLOCK=RBLOCK, "
+                                    f"INDEX64={index64}, num_warps=num_warps)"))
+        if len(calls) == 1:
+            lines.append(f"        {calls[0][1]}")
+        else:
+            lines += ["        if looped:", f"            {calls[1][1]}", "        else:",
+                      f"            {calls[0][1]}"]
+    lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
+    return "\n".join(lines)

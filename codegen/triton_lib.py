@@ -1,0 +1,93 @@
+"""Small Triton helpers the generated kernels call as ``fl.NAME``.
+
+On the GPU the transcendental helpers are libdevice's. Triton's interpreter (TRITON_INTERPRET=1,
+used by the CPU tests) has no libdevice, so there they are written from the primitives it has.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def max_combine(a, b):
+    """max that propagates NaN, as torch.amax does."""
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def min_combine(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+@triton.jit
+def row_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, max_combine)
+
+
+@triton.jit
+def row_min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, min_combine)
+
+
+if INTERPRET:
+    # The interpreter truncates fp32 -> bf16; round to nearest even by hand, as the GPU does.
+    @triton.jit
+    def round_bf16(x):
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+    # The interpreter's fp32 -> fp8 e4m3 conversion rounds ties away from even and gets carries
+    # into the exponent wrong (124.5 -> 64). Round to nearest even by hand: scale by the
+    # quantum of x's binade, round with the 1.5 * 2^23 trick, scale back.
+    @triton.jit
+    def round_fp8e4m3(x):
+        bits = x.to(tl.uint32, bitcast=True)
+        e = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+        e = tl.maximum(e, -6) - 3
+        quantum = ((e + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
+        r = ((x / quantum + 12582912.0) - 12582912.0) * quantum
+        return tl.where((tl.abs(x) > 464.0) | (x != x), float("nan"), r)
+
+    @triton.jit
+    def tanh(x):
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def log1p(x):
+        return tl.log(1.0 + x)
+
+    @triton.jit
+    def expm1(x):
+        return tl.exp(x) - 1.0
+
+    @triton.jit
+    def trunc(x):
+        return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+    @triton.jit
+    def pow(x, y):
+        return tl.exp2(y * tl.log2(x))
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def round_bf16(x):
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def round_fp8e4m3(x):
+        # the GPU saturates (satfinite); torch makes |x| > 464 NaN: do as torch does
+        x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
+        return x.to(tl.float8e4nv).to(tl.float32)
+
+    tanh = libdevice.tanh
+    log1p = libdevice.log1p
+    expm1 = libdevice.expm1
+    trunc = libdevice.trunc
+    pow = libdevice.pow

@@ -1,0 +1,116 @@
+"""The torch.compile backend: dynamo graph -> aot_autograd (ATen, fwd + bwd) -> passes.
+
+    torch.compile(model, backend="fusion")
+
+Each ATen graph (forward, backward, or inference under no_grad) goes through
+``passes.pipeline.compile_graph``. Tensors on the CPU run the ATen graph as it is (said once in
+the log) unless Triton's interpreter is on (TRITON_INTERPRET=1), which the tests use.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from .config import Config
+from .decompositions import decomposition_table
+from .report import GraphReport, aten_compute_ops, publish
+
+log = logging.getLogger("fusion_compiler")
+_said_cpu = False
+_caches: dict = {}
+
+
+@dataclass
+class CompileContext:
+    """Everything a pass may read or write for one graph; passed in, never global."""
+    config: Config
+    kind: str
+    profile: object
+    cache: object
+    run_on_cpu: bool
+    size_hints: dict = field(default_factory=dict)
+    decisions: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+    launchers: dict = field(default_factory=dict)
+    kernels: list = field(default_factory=list)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_cache(config: Config):
+    from .codegen.cache import KernelCache
+
+    cache = _caches.get(config.cache_dir)
+    if cache is None:
+        cache = _caches[config.cache_dir] = KernelCache(config.cache_dir)
+    return cache
+
+
+def make_context(config: Config, kind: str) -> CompileContext:
+    from .passes.cost_model import profile_named
+
+    return CompileContext(config=config, kind=kind, profile=profile_named(config.profile),
+                          cache=kernel_cache(config), run_on_cpu=interpreting())
+
+
+def _devices(gm) -> set:
+    return {n.meta["val"].device.type for n in gm.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
+    """Run the pipeline on one ATen graph; return what aot_autograd should call."""
+    from .passes import pipeline
+
+    global _said_cpu
+    ctx = make_context(config, kind)
+    report = GraphReport(kind=kind, ran_kernels=False, nodes_before=len(gm.graph.nodes))
+    if "cuda" not in _devices(gm) and not ctx.run_on_cpu:
+        if not _said_cpu:
+            log.info("fusion-compiler: CPU tensors run the ATen graph unfused "
+                     "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU)")
+            _said_cpu = True
+        pipeline.analyze(gm, ctx)
+        report.decisions = ctx.decisions
+        report.aten_ops = aten_compute_ops(gm)
+        publish(report)
+        return gm
+    try:
+        new_gm = pipeline.compile_graph(gm, ctx)
+    except Exception as exc:
+        if config.strict:
+            raise
+        log.warning("fusion-compiler: compiling the %s graph failed (%s: %s); running it on ATen "
+                    "unfused. Set FUSION_COMPILER_STRICT=1 to raise instead.", kind,
+                    type(exc).__name__, exc)
+        return gm
+    report.ran_kernels = True
+    report.kernels = ctx.kernels
+    report.aten_ops = aten_compute_ops(new_gm)
+    report.groups_not_generated = [([str(n.target) for n in g.members], g.error)
+                                   for g in ctx.groups if g.id not in ctx.launchers]
+    report.decisions = ctx.decisions
+    publish(report)
+    return new_gm
+
+
+def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """torch.compile backend entry point (registered as "fusion")."""
+    config = Config.from_env()
+    if config.disable:
+        return gm.forward
+
+    def compiler(kind):
+        def compile_fn(aten_gm, _example_inputs):
+            return compile_aten_graph(aten_gm, kind, config)
+        return compile_fn
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        inference_compiler=compiler("inference"),
+                        decompositions=decomposition_table())(gm, example_inputs)

@@ -1,0 +1,66 @@
+"""Configuration: defaults, overridden by FUSION_COMPILER_* environment variables.
+
+Every threshold the passes and the code generator use lives here, with its reason.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names it and says what is allowed."""
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusion-compiler"
+
+
+@dataclass(frozen=True)
+class Config:
+    # Where generated kernel sources live (FUSION_COMPILER_CACHE_DIR).
+    cache_dir: Path = None
+    # Turn fusion off entirely: every op runs on ATen (FUSION_COMPILER_DISABLE=1).
+    disable: bool = False
+    # Raise compile errors instead of falling back to ATen with a warning (tests set it).
+    strict: bool = False
+    # Largest power-of-two row block held in registers; longer rows use the looped kernel.
+    max_persistent_block: int = 16384
+    # Most ops one fused group may hold: bounds compile time and register pressure.
+    max_group_ops: int = 128
+    # Cost model fallback device when no GPU is visible (see passes/cost_model.py).
+    profile: str = "h200"
+
+    @staticmethod
+    def from_env(env=None) -> "Config":
+        env = os.environ if env is None else env
+        cfg = Config(cache_dir=_default_cache_dir())
+        updates = {}
+        if env.get("FUSION_COMPILER_CACHE_DIR"):
+            updates["cache_dir"] = Path(env["FUSION_COMPILER_CACHE_DIR"]).expanduser()
+        for f in fields(Config):
+            name = "FUSION_COMPILER_" + f.name.upper()
+            if f.name == "cache_dir" or name not in env:
+                continue
+            updates[f.name] = _parse(name, env[name], f.type)
+        return replace(cfg, **updates)
+
+
+def _parse(name: str, raw: str, typ: str):
+    if typ == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{name}={raw!r}: expected 0 or 1")
+    if typ == "int":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: expected a positive integer") from None
+        if value <= 0:
+            raise ConfigError(f"{name}={raw!r}: expected a positive integer")
+        return value
+    return raw

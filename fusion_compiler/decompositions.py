@@ -1,0 +1,60 @@
+"""The decomposition table aot_autograd applies before the passes see the graph.
+
+Start from PyTorch's core ATen decompositions, then break the composite memory-bound ops into
+pointwise ops and last-dim reductions the code generator fuses:
+
+    native_layer_norm (+ backward)   -> mean, var (two-pass), rsqrt, mul, add
+    gelu, silu, sigmoid/tanh backward -> pointwise (computed in fp32 for bf16/fp16 inputs)
+    _softmax, _log_softmax (+ backward) -> amax, sub, exp, sum, div
+    split, split_with_sizes           -> slices (views)
+    var_mean.correction               -> our two-pass form below (no prims in the graph)
+
+GEMMs, attention (scaled_dot_product_attention) and everything else stay as they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+
+aten = torch.ops.aten
+
+_EXTRA = [
+    "native_layer_norm", "native_layer_norm_backward", "gelu", "gelu_backward", "_softmax",
+    "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "silu",
+    "silu_backward", "sigmoid_backward", "tanh_backward", "threshold_backward", "split.Tensor",
+    "split_with_sizes", "hardtanh", "leaky_relu", "mish", "softplus", "elu", "hardsigmoid",
+    "hardswish",
+]
+
+
+def _ops(names):
+    out = []
+    for name in names:
+        packet_name, _, overload = name.partition(".")
+        packet = getattr(aten, packet_name, None)
+        if packet is None:
+            continue
+        out.append(getattr(packet, overload) if overload else packet)
+    return out
+
+
+def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
+    """var_mean as mean, then the mean of squared deviations (ATen's two-pass result)."""
+    dims = list(range(x.ndim)) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    n = 1
+    for d in dims:
+        n = n * x.shape[d]
+    correction = 1 if correction is None else correction
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = torch.mean(xf, dims, keepdim=True)
+    var = torch.sum((xf - mean) * (xf - mean), dims, keepdim=keepdim) / max(n - correction, 0)
+    if not keepdim:
+        mean = torch.squeeze(mean, dims)
+    return var.to(x.dtype), mean.to(x.dtype)
+
+
+def decomposition_table() -> dict:
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions(_ops(_EXTRA)))
+    table[aten.var_mean.correction] = var_mean_correction
+    return table

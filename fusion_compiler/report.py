@@ -1,0 +1,62 @@
+"""What one compile did: kernels generated, ops left on ATen, fusion decisions.
+
+``capture_compiles()`` collects a ``GraphReport`` for every graph compiled inside it, so tests
+and tools can count kernels without reading logs.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+_listeners: list = []
+
+
+@dataclass
+class GraphReport:
+    kind: str                                   # "forward", "backward" or "inference"
+    ran_kernels: bool                           # False when the ATen graph runs as it is
+    kernels: list = field(default_factory=list)  # dicts: group, key, label, path, ops
+    aten_ops: list = field(default_factory=list)  # targets of the compute ops left on ATen
+    groups_not_generated: list = field(default_factory=list)  # (ops, reason)
+    decisions: list = field(default_factory=list)
+    nodes_before: int = 0
+
+    @property
+    def num_kernels(self) -> int:
+        return len(self.kernels)
+
+
+_FREE = {"getitem", "sym_size", "sym_stride", "sym_numel", "view", "_unsafe_view", "unsqueeze",
+         "squeeze", "permute", "t", "transpose", "slice", "select", "alias", "expand",
+         "as_strided", "detach", "reshape"}
+
+
+def aten_compute_ops(gm: torch.fx.GraphModule) -> list:
+    """Targets of call_function nodes that do work on ATen (views and sym reads excluded)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get("fc_group") is not None:
+            continue
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if name in _FREE or not hasattr(n.target, "_schema") and "fc_tensor" not in n.meta:
+            continue
+        out.append(str(n.target))
+    return out
+
+
+def publish(report: GraphReport) -> None:
+    for sink in _listeners:
+        sink.append(report)
+
+
+@contextlib.contextmanager
+def capture_compiles():
+    """Yield a list that receives a GraphReport for each graph compiled in the block."""
+    sink: list = []
+    _listeners.append(sink)
+    try:
+        yield sink
+    finally:
+        _listeners.remove(sink)

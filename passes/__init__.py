@@ -1,0 +1,1 @@
+"""Graph passes on ATen FX graphs (installed as fusion_compiler.passes)."""

@@ -1,0 +1,116 @@
+"""Classify every ATen node into a small set of kinds (the TVM `OpPatternKind` idea).
+
+The table is the single place that says which ops the compiler understands. Anything not in it
+is OPAQUE and runs on ATen: the classifier never guesses.
+
+Writes ``node.meta["fc_kind"]`` (an ``OpKind``) on every node.
+"""
+from __future__ import annotations
+
+import enum
+import operator
+
+import torch
+
+from .shapes import TensorInfo
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+class OpKind(enum.Enum):
+    POINTWISE = "pointwise"    # elementwise, same-shape or broadcasting operands
+    BROADCAST = "broadcast"    # expand: index arithmetic that repeats data
+    VIEW = "view"              # injective and free: reshape, permute, slice ... (no data of its own)
+    INJECTIVE = "injective"    # injective but materialises data (cat): index arithmetic in a kernel
+    REDUCTION = "reduction"    # reduction over dimensions
+    OPAQUE = "opaque"          # GEMM, attention, anything else: stays on ATen
+
+
+_POINTWISE = [
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar,
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode,
+    aten.neg.default, aten.abs.default, aten.exp.default, aten.exp2.default, aten.expm1.default,
+    aten.log.default, aten.log2.default, aten.log1p.default, aten.sqrt.default,
+    aten.rsqrt.default, aten.reciprocal.default, aten.sin.default, aten.cos.default,
+    aten.tanh.default, aten.sigmoid.default, aten.erf.default, aten.relu.default,
+    aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
+    aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+    aten.maximum.default, aten.minimum.default, aten.where.self,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
+    aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
+    aten.ge.Tensor, aten.ge.Scalar, aten.logical_not.default, aten.logical_and.default,
+    aten.logical_or.default, aten.bitwise_not.default, aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor, aten.sign.default, aten.floor.default, aten.ceil.default,
+    aten.trunc.default, aten.isnan.default, aten.isinf.default, aten.masked_fill.Scalar,
+    aten.clone.default, aten._to_copy.default, prims.convert_element_type.default,
+    aten.copy.default, aten.lerp.Scalar, aten.fill.Scalar,
+]
+_VIEW = [
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
+    aten.t.default, aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.alias.default,
+    aten.as_strided.default, aten.detach.default,
+]
+_REDUCTION = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default]
+
+OP_KINDS: dict = {
+    **{op: OpKind.POINTWISE for op in _POINTWISE},
+    **{op: OpKind.VIEW for op in _VIEW},
+    **{op: OpKind.REDUCTION for op in _REDUCTION},
+    aten.expand.default: OpKind.BROADCAST,
+    aten.cat.default: OpKind.INJECTIVE,
+}
+
+# Tensor dtypes a generated kernel can load, compute on and store.
+KERNEL_DTYPES = {
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+}
+
+# Symbolic-int arithmetic that dynamo leaves in graphs: evaluated by sympy, never a kernel.
+SYMINT_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
+              operator.neg, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default}
+
+
+def kind_of(node: torch.fx.Node) -> OpKind:
+    """Kind of one node: the table's entry when every tensor it touches is kernel-friendly."""
+    if node.op != "call_function":
+        return OpKind.OPAQUE
+    kind = OP_KINDS.get(node.target, OpKind.OPAQUE)
+    if kind is OpKind.OPAQUE:
+        return kind
+    info = node.meta.get("fc_tensor")
+    if not isinstance(info, TensorInfo) or info.dtype not in KERNEL_DTYPES:
+        return OpKind.OPAQUE
+    for arg in node.all_input_nodes:
+        arg_info = arg.meta.get("fc_tensor")
+        if arg_info is None:
+            if not isinstance(arg.meta.get("val"), torch.SymInt):
+                return OpKind.OPAQUE
+        elif arg_info.dtype not in KERNEL_DTYPES or arg_info.device != info.device:
+            return OpKind.OPAQUE
+    if kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):
+        return OpKind.OPAQUE
+    return kind
+
+
+def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:
+    """Only reductions over exactly the last dimension are generated; the rest stay on ATen."""
+    src = node.args[0].meta["fc_tensor"]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or src.ndim == 0:
+        return False
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if len(dims) != 1 or dims[0] % src.ndim != src.ndim - 1:
+        return False
+    if node.kwargs.get("dtype") is not None:
+        return False
+    return src.dtype.is_floating_point
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Write ``fc_kind`` on every node."""
+    for node in gm.graph.nodes:
+        node.meta["fc_kind"] = kind_of(node)
+    return gm

@@ -1,0 +1,67 @@
+"""Cost model: estimated time of a kernel from HBM bytes, FLOPs and launch overhead.
+
+    time(kernel) = launch_overhead + max(bytes_moved / hbm_bandwidth, flops / peak_flops)
+
+bytes_moved counts each distinct tensor a kernel reads once, at its own size (a broadcast
+operand is read at its size, not the result's), and each output once. A looped row kernel that
+makes P passes over its rows reads its per-element inputs P times. A fused group saves the
+intermediates' write + read and the launches of the kernels it replaces (XLA's GPU performance
+model; launch overhead ~1-3 us per kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shapes import hint
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    hbm_bandwidth: float        # bytes / s, achievable (copy bandwidth), not the datasheet peak
+    launch_overhead: float      # s per kernel launch, host + device
+    peak_flops: float           # fp32 FLOP/s of the vector units (memory-bound ops do fp32 math)
+
+
+PROFILES = {
+    # measured copy bandwidth on the H200 used for the anchors (shared/anchors.py, 4.22 TB/s)
+    "h200": DeviceProfile("h200", 4.22e12, 2.5e-6, 60e12),
+    "h100": DeviceProfile("h100", 3.0e12, 2.5e-6, 60e12),
+    "a100": DeviceProfile("a100", 1.7e12, 3.0e-6, 19.5e12),
+    "l4": DeviceProfile("l4", 0.27e12, 3.0e-6, 30e12),
+    "generic": DeviceProfile("generic", 1.0e12, 3.0e-6, 20e12),
+}
+
+
+def profile_named(name: str) -> DeviceProfile:
+    try:
+        return PROFILES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(PROFILES)}") from None
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    bytes_read: int
+    bytes_written: int
+    launches: int
+    time: float             # seconds
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def tensor_bytes(node, size_hints: dict) -> int:
+    info = node.meta["fc_tensor"]
+    return hint(info.numel, size_hints) * info.itemsize
+
+
+def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile) -> KernelCost:
+    """Cost of one kernel reading ``inputs`` and writing ``outputs`` (FX nodes).
+
+    ``row_inputs`` are the inputs re-read on each of ``passes`` passes (looped row kernels)."""
+    read = sum(tensor_bytes(n, size_hints) * (passes if n in row_inputs else 1) for n in inputs)
+    written = sum(tensor_bytes(n, size_hints) for n in outputs)
+    t = profile.launch_overhead + (read + written) / profile.hbm_bandwidth
+    return KernelCost(read, written, 1, t)

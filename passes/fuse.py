@@ -1,0 +1,239 @@
+"""Fuse pass: priority fusion of producer -> consumer groups, scored by the cost model.
+
+Note on the algorithm (XLA's priority fusion, simplified):
+
+    every data node (pointwise, cat, reduction) starts as its own group
+    views and expands are transparent: they join whichever groups read through them
+    repeat:
+        candidates = producer -> consumer edges between groups
+        score(P, C) = time(P) + time(C) - time(P u C)      (cost_model.kernel_cost)
+        take the best positive candidate that is legal, merge, re-score
+    until no positive legal candidate is left
+
+Legality is separate from profitability: a merge is refused when it would make a cycle in the
+graph of groups (a path P -> X -> C through another group or an ATen op), when the group would
+exceed ``max_group_ops``, or when the code generator cannot make one kernel of it (its lowering
+raises NotFusable: iteration spaces that do not match, unsupported ops or dtypes). Every
+decision, taken or refused, is recorded in ``ctx.decisions`` with its numbers and reason.
+
+Writes ``node.meta["fc_group"]`` (group id) on every node in a group; the groups themselves are
+in ``ctx.groups``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+
+from ..codegen.kernel_ir import NotFusable, build_kernel_ir
+from ..codegen.lower import Lowering
+from .classify import OpKind
+from .cost_model import kernel_cost
+
+TRANSPARENT = {OpKind.VIEW, OpKind.BROADCAST}
+DATA = {OpKind.POINTWISE, OpKind.INJECTIVE, OpKind.REDUCTION}
+
+
+@dataclass
+class FusionGroup:
+    """A set of data nodes that becomes one kernel, with what it reads and writes."""
+    id: int
+    members: frozenset
+    nodes: list = field(default_factory=list)     # members + inlined views, topological
+    inputs: list = field(default_factory=list)    # FX nodes the kernel loads
+    outputs: list = field(default_factory=list)   # members used outside the group
+    cost: object = None
+    ir: object = None                             # KernelIR once legal
+    graph_symbols: tuple = ()
+    error: str = ""                               # why it cannot be a kernel (if so)
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.members)
+
+
+class GraphView:
+    """Read-only facts about the graph the pass needs: order, sources through views, users."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.kind = {n: n.meta.get("fc_kind", OpKind.OPAQUE) for n in gm.graph.nodes}
+
+    def is_data(self, n) -> bool:
+        return self.kind.get(n) in DATA
+
+    def is_transparent(self, n) -> bool:
+        return self.kind.get(n) in TRANSPARENT
+
+    def tensor_args(self, n):
+        return [a for a in n.all_input_nodes if "fc_tensor" in a.meta]
+
+    def sources(self, n, through: set):
+        """Tensors ``n`` reads, following views; stops at members of ``through``."""
+        out, stack = [], list(self.tensor_args(n))
+        while stack:
+            a = stack.pop()
+            if a in through or not self.is_transparent(a):
+                out.append(a)
+            else:
+                stack.extend(self.tensor_args(a))
+        return out
+
+    def consumers(self, n):
+        """Non-view users of ``n``, following views (an ATen view used by an output counts)."""
+        out, stack = [], list(n.users)
+        while stack:
+            u = stack.pop()
+            if self.is_transparent(u) and any(True for _ in u.users):
+                stack.extend(u.users)
+            else:
+                out.append(u)
+        return out
+
+
+def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
+    """Fill in nodes, inputs, outputs and cost of a group."""
+    members = group.members
+    nodes, inputs, seen = set(members), [], set()
+
+    def visit(a):
+        if a in nodes or a in seen:
+            return
+        if view.is_transparent(a):
+            nodes.add(a)
+            for b in view.tensor_args(a):
+                visit(b)
+        else:
+            seen.add(a)
+            inputs.append(a)
+
+    for m in members:
+        for a in view.tensor_args(m):
+            visit(a)
+    group.nodes = sorted(nodes, key=view.order.__getitem__)
+    group.inputs = sorted(inputs, key=view.order.__getitem__)
+    group.outputs = sorted((m for m in members
+                            if any(c not in members for c in view.consumers(m))),
+                           key=view.order.__getitem__)
+    group.cost = kernel_cost(group.inputs, group.outputs, 1, (), ctx.size_hints, ctx.profile)
+    return group
+
+
+def check_legal(group: FusionGroup, ctx) -> None:
+    """Raise NotFusable unless the code generator can make one kernel of ``group``."""
+    if group.n_ops > ctx.config.max_group_ops:
+        raise NotFusable(f"group would hold {group.n_ops} ops (max_group_ops="
+                         f"{ctx.config.max_group_ops})")
+    if not group.outputs:
+        raise NotFusable("group has no outputs")
+    ir, syms = build_kernel_ir(group.nodes, group.inputs, group.outputs)
+    Lowering(ir, _canon_hints(syms, ir, ctx.size_hints), persistent=True).run()
+    group.ir, group.graph_symbols = ir, syms
+
+
+def _canon_hints(graph_syms, ir, size_hints):
+    return {k: size_hints.get(s, 1) for s, k in zip(graph_syms, ir.symbols)}
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Group the data nodes of ``gm``; record every decision."""
+    view = GraphView(gm)
+    data = [n for n in gm.graph.nodes if view.is_data(n)]
+    group_of = {}
+    groups = {}
+    for i, n in enumerate(data):
+        groups[i] = analyze(FusionGroup(i, frozenset([n])), view, ctx)
+        group_of[n] = i
+    unit = _unit_graph(gm, view, group_of)
+    next_id = len(data)
+    refused: dict = {}
+    merged_of: dict = {}
+    while True:
+        best = None
+        for p, c in _candidate_edges(groups, group_of, view):
+            key = (groups[p].members, groups[c].members)
+            if key in refused:
+                continue
+            merged = merged_of.get(key)
+            if merged is None:
+                merged = analyze(FusionGroup(-1, groups[p].members | groups[c].members), view, ctx)
+                merged_of[key] = merged
+            score = groups[p].cost.time + groups[c].cost.time - merged.cost.time
+            if score <= 0:
+                refused[key] = "unprofitable"
+                ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
+                                               "unprofitable: fused time is not lower"))
+                continue
+            if best is None or score > best[0]:
+                best = (score, p, c, merged)
+        if best is None:
+            break
+        score, p, c, merged = best
+        key = (groups[p].members, groups[c].members)
+        try:
+            if _makes_cycle(unit, p, c):
+                raise NotFusable("cycle: another path leads from producer to consumer")
+            check_legal(merged, ctx)
+        except NotFusable as exc:
+            refused[key] = str(exc)
+            ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False, str(exc)))
+            continue
+        ctx.decisions.append(_decision(groups[p], groups[c], merged, score, True, "fused"))
+        merged.id = next_id
+        next_id += 1
+        for n in merged.members:
+            group_of[n] = merged.id
+        nx.relabel_nodes(unit, {p: merged.id, c: merged.id}, copy=False)
+        if unit.has_edge(merged.id, merged.id):
+            unit.remove_edge(merged.id, merged.id)
+        del groups[p], groups[c]
+        groups[merged.id] = merged
+    for g in groups.values():
+        if g.ir is None:
+            try:
+                check_legal(g, ctx)
+            except NotFusable as exc:
+                g.error = str(exc)
+        for n in g.members:
+            n.meta["fc_group"] = g.id
+    ctx.groups = sorted(groups.values(), key=lambda g: view.order[g.nodes[-1]])
+    return gm
+
+
+def _decision(p, c, merged, score, taken, reason):
+    return {"producer": [n.name for n in sorted(p.members, key=lambda n: n.name)],
+            "consumer": [n.name for n in sorted(c.members, key=lambda n: n.name)],
+            "score_us": score * 1e6, "bytes_before": p.cost.bytes + c.cost.bytes,
+            "bytes_after": merged.cost.bytes, "taken": taken, "reason": reason}
+
+
+def _candidate_edges(groups, group_of, view):
+    seen = set()
+    for cid, g in groups.items():
+        for m in g.members:
+            for src in view.sources(m, set()):
+                pid = group_of.get(src)
+                if pid is not None and pid != cid and (pid, cid) not in seen:
+                    seen.add((pid, cid))
+                    yield pid, cid
+
+
+def _unit_graph(gm, view, group_of) -> nx.DiGraph:
+    """Graph of units: a group id per data node, the node itself for everything else."""
+    g = nx.DiGraph()
+    unit = lambda n: group_of.get(n, n)  # noqa: E731
+    for n in gm.graph.nodes:
+        g.add_node(unit(n))
+        for a in n.all_input_nodes:
+            if unit(a) != unit(n):
+                g.add_edge(unit(a), unit(n))
+    return g
+
+
+def _makes_cycle(unit: nx.DiGraph, p, c) -> bool:
+    """True if some path p -> x -> ... -> c avoids the direct edge p -> c."""
+    for s in unit.successors(p):
+        if s != c and nx.has_path(unit, s, c):
+            return True
+    return False

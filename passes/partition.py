@@ -1,0 +1,96 @@
+"""Partition pass: rewrite the ATen graph so each fused group is one call to its launcher.
+
+Groups are placed in a topological order of the graph of groups and remaining ATen nodes (the
+fuse pass keeps it acyclic); within that order the original node order breaks ties, so ATen ops
+keep their relative order. Views read only by kernels disappear (they became index arithmetic);
+size symbols a kernel needs are read from the graph's inputs (``sym_size``/``sym_stride``).
+"""
+from __future__ import annotations
+
+import operator
+
+import networkx as nx
+import torch
+
+from .fuse import TRANSPARENT
+
+aten = torch.ops.aten
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """New GraphModule with one launcher call per group in ``ctx.launchers``."""
+    groups = [g for g in ctx.groups if g.id in ctx.launchers]
+    if not groups:
+        return gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    group_of = {n: g for g in groups for n in g.members}
+    unit = lambda n: group_of[n].id if n in group_of else n  # noqa: E731
+    dag = nx.DiGraph()
+    first = {}
+    for n in gm.graph.nodes:
+        u = unit(n)
+        dag.add_node(u)
+        first[u] = min(first.get(u, order[n]), order[n])
+        for a in n.all_input_nodes:
+            if unit(a) != u:
+                dag.add_edge(unit(a), u)
+    for g in groups:
+        for a in g.inputs:
+            dag.add_edge(unit(a), g.id)
+
+    graph = torch.fx.Graph()
+    env, sym_nodes = {}, {}
+    by_id = {g.id: g for g in groups}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for u in nx.lexicographical_topological_sort(dag, key=lambda u: first[u]):
+        if u in by_id:
+            g = by_id[u]
+            syms = [_symbol_node(s, graph, env, placeholders, sym_nodes) for s in g.graph_symbols]
+            call = graph.call_function(ctx.launchers[g.id], tuple(env[a] for a in g.inputs) + tuple(syms))
+            call.meta["fc_group"] = g.id
+            for k, o in enumerate(g.outputs):
+                env[o] = graph.call_function(operator.getitem, (call, k))
+                env[o].meta = dict(o.meta)
+        else:
+            env[u] = graph.node_copy(u, lambda a: env[a])
+    for n in reversed(list(graph.nodes)):
+        if not n.users and n.op == "call_function" and n.meta.get("fc_kind") in TRANSPARENT:
+            graph.erase_node(n)
+    new = torch.fx.GraphModule(gm, graph)
+    new.recompile()
+    return new
+
+
+def _symbol_node(sym, graph, env, placeholders, cache):
+    """Node that yields the value of size symbol ``sym`` at run time."""
+    if sym in cache:
+        return cache[sym]
+    for ph in placeholders:
+        if ph.meta.get("fc_symint") == sym:
+            cache[sym] = env[ph]
+            return env[ph]
+    for ph in placeholders:
+        info = ph.meta.get("fc_tensor")
+        if info is None:
+            continue
+        for attr, values, op in (("size", info.shape, aten.sym_size.int),
+                                 ("stride", info.stride, aten.sym_stride.int)):
+            for d, v in enumerate(values):
+                if v == sym:
+                    node = graph.call_function(op, (env[ph], d))
+                    cache[sym] = node
+                    return node
+    raise LookupError(f"size symbol {sym} is not the size or stride of any graph input")
+
+
+def symbols_available(group, placeholders) -> bool:
+    """True if every size symbol of the group can be read from the graph's inputs."""
+    known = set()
+    for ph in placeholders:
+        if "fc_symint" in ph.meta:
+            known.add(ph.meta["fc_symint"])
+        info = ph.meta.get("fc_tensor")
+        if info is not None:
+            known.update(info.shape)
+            known.update(info.stride)
+    return all(s in known for s in group.graph_symbols)

@@ -1,0 +1,22 @@
+"""The pass pipeline, top to bottom, one pass a line."""
+from __future__ import annotations
+
+import torch
+
+from . import classify, fuse, generate, partition, shapes
+
+
+def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Decide the fusion groups; no code is generated (what `dump` and CPU runs need)."""
+    gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
+    gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
+    gm = fuse.run(gm, ctx)          # priority fusion into groups, every decision recorded
+    return gm
+
+
+def compile_graph(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """ATen graph -> graph of generated kernels and the ATen ops left over."""
+    gm = analyze(gm, ctx)           # groups
+    gm = generate.run(gm, ctx)      # one cached Triton kernel per group
+    gm = partition.run(gm, ctx)     # one launcher call per group; the rest stays ATen
+    return gm

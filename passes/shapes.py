@@ -1,0 +1,91 @@
+"""Shapes pass: sizes and strides of every tensor as sympy expressions.
+
+Reads the fake tensors dynamo and aot_autograd attach (``node.meta["val"]``). A static size is a
+sympy Integer, a dynamic one an expression in the graph's size symbols (s0, s1, ...). Decisions
+evaluate the expressions at the size hints: the sizes of the example inputs.
+
+Writes ``node.meta["fc_tensor"]`` (``TensorInfo``) on every node that yields one tensor, and
+``node.meta["fc_symint"]`` (a sympy expression) on every node that yields a symbolic int.
+``ctx.size_hints`` maps each free symbol to its hint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the passes know of one tensor value."""
+    shape: tuple      # sympy expressions
+    stride: tuple     # sympy expressions
+    dtype: torch.dtype
+    device: torch.device
+    storage_offset: sympy.Expr
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+def to_sympy(value) -> sympy.Expr:
+    """An int or SymInt as a sympy expression."""
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    if isinstance(value, (int, sympy.Expr)):
+        return sympy.sympify(value)
+    raise TypeError(f"expected an int or SymInt, got {type(value).__name__}: {value!r}")
+
+
+def tensor_info(val: torch.Tensor) -> TensorInfo:
+    return TensorInfo(
+        shape=tuple(to_sympy(s) for s in val.shape),
+        stride=tuple(to_sympy(s) for s in val.stride()),
+        dtype=val.dtype,
+        device=val.device,
+        storage_offset=to_sympy(val.storage_offset()),
+    )
+
+
+def _collect_hints(val, hints: dict) -> None:
+    values = []
+    if isinstance(val, torch.SymInt):
+        values.append(val)
+    elif isinstance(val, torch.Tensor):
+        values.extend(v for v in (*val.shape, *val.stride(), val.storage_offset())
+                      if isinstance(v, torch.SymInt))
+    for v in values:
+        shape_env = v.node.shape_env
+        for sym in v.node.expr.free_symbols:
+            if sym not in hints and sym in shape_env.var_to_val:
+                hints[sym] = int(shape_env.var_to_val[sym])
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Write ``fc_tensor`` / ``fc_symint`` on every node and collect the size hints."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["fc_tensor"] = tensor_info(val)
+        elif isinstance(val, torch.SymInt):
+            node.meta["fc_symint"] = to_sympy(val)
+        _collect_hints(val, ctx.size_hints)
+    return gm
+
+
+def hint(expr, size_hints: dict) -> int:
+    """Value of a size expression at the example inputs' sizes."""
+    expr = sympy.sympify(expr)
+    if expr.is_Integer:
+        return int(expr)
+    return int(expr.xreplace(size_hints))

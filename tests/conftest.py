@@ -1,0 +1,43 @@
+"""Test setup: generated kernels run on the GPU when there is one, else in Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, so it is decided here, first.
+"""
+import os
+import tempfile
+
+import pytest
+
+try:
+    import torch
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    HAS_CUDA = False
+
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["FUSION_COMPILER_STRICT"] = "1"
+os.environ.setdefault("FUSION_COMPILER_CACHE_DIR", tempfile.mkdtemp(prefix="fc-test-cache-"))
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def device():
+    return DEVICE

@@ -1,0 +1,74 @@
+"""Shared test helpers: compile and count kernels, compare with eager verbosely."""
+from __future__ import annotations
+
+import torch
+
+import fusion_compiler
+
+# Per-dtype tolerances (atol, rtol) against eager. bf16/fp16 kernels round after every op as
+# eager does, so differences come from reduction order and transcendental approximations.
+TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.float64: (1e-10, 1e-10),
+}
+
+
+def compile_and_run(fn, args, dynamic=False):
+    """Run ``fn`` compiled with the fusion backend; return (outputs, graph reports)."""
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(fn, backend="fusion", dynamic=dynamic, fullgraph=True)(*args)
+    return out, reports
+
+
+def as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def assert_close(actual, expected, dtype=None, atol=None, rtol=None, name="output"):
+    """allclose that says where and by how much, and never passes on NaN mismatches."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    d_atol, d_rtol = TOL.get(dtype or expected.dtype, (0, 0))
+    atol = d_atol if atol is None else atol
+    rtol = d_rtol if rtol is None else rtol
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    assert torch.equal(nan_a, nan_e), f"{name}: NaN at different places ({int((nan_a ^ nan_e).sum())} elements)"
+    a, e = a.masked_fill(nan_a, 0), e.masked_fill(nan_e, 0)
+    bad = (a - e).abs() > atol + rtol * e.abs()
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        diff = (a - e).abs()
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{bad.numel()} elements differ beyond atol={atol} rtol={rtol}; "
+            f"max abs diff {diff.max().item():.3g}; first at {idx}: got {a[tuple(idx)].item():.6g}, "
+            f"expected {e[tuple(idx)].item():.6g}")
+
+
+def fp8_steps_apart(actual, expected):
+    """Distance in fp8 codes between two e4m3fn tensors (sign-magnitude order)."""
+    def ordinal(t):
+        b = t.view(torch.uint8).to(torch.int32)
+        mag = b & 0x7F
+        return torch.where(b & 0x80 != 0, -mag, mag)
+    return (ordinal(actual) - ordinal(expected)).abs()
+
+
+def assert_fp8_matches(actual, expected, min_equal=0.999):
+    """FP8 outputs: bit-equal on at least ``min_equal`` of elements, never more than one step off."""
+    assert actual.dtype == expected.dtype == torch.float8_e4m3fn
+    equal = (actual.view(torch.uint8) == expected.view(torch.uint8)).float().mean().item()
+    steps = fp8_steps_apart(actual.cpu(), expected.cpu()).max().item()
+    assert equal >= min_equal, f"only {equal:.5f} of fp8 elements bit-equal (need {min_equal})"
+    assert steps <= 1, f"fp8 outputs {steps} steps apart"
+
+
+def kernel_count(reports, kind=None):
+    return sum(r.num_kernels for r in reports if kind is None or r.kind == kind)
+
+
+def leftover_aten(reports, kind=None):
+    return [op for r in reports if kind is None or r.kind == kind for op in r.aten_ops]
