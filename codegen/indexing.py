@@ -108,7 +108,7 @@ def coalesce(syms: list, sizes: list, exprs: list, protected: set = frozenset())
     """Merge adjacent iteration dims wherever every access expression allows it.
 
     Returns (syms, sizes, exprs) with fewer dims; size-1 dims are dropped first."""
-    subs = {s: 0 for s, n in zip(syms, sizes) if n == 1}
+    subs = {s: sympy.Integer(0) for s, n in zip(syms, sizes) if n == 1}
     exprs = [sympy.sympify(e).xreplace(subs) for e in exprs]
     dims = [(s, n) for s, n in zip(syms, sizes) if n != 1]
     k = len(dims) - 2
@@ -126,7 +126,7 @@ def coalesce(syms: list, sizes: list, exprs: list, protected: set = frozenset())
                 ok = False
                 break
         if ok:
-            exprs = [e.xreplace({sa: 0}) for e in exprs]
+            exprs = [e.xreplace({sa: sympy.Integer(0)}) for e in exprs]
             dims[k:k + 2] = [(sb, na * nb)]
         k -= 1
     return [s for s, _ in dims], [n for _, n in dims], exprs

@@ -85,8 +85,12 @@ class Lowering:
         self.kind, self.shape = iteration_space(ir)
         prefix = "r" if self.kind == "row" else "i"
         n_iter = len(self.shape) - (1 if self.kind == "row" else 0)
-        self.iter_syms = [sympy.Symbol(f"{prefix}{d}", integer=True, nonnegative=True)
-                          for d in range(n_iter)] + ([COL] if self.kind == "row" else [])
+        self.iter_syms = tuple(sympy.Symbol(f"{prefix}{d}", integer=True, nonnegative=True)
+                               for d in range(n_iter)) + ((COL,) if self.kind == "row" else ())
+        # the iteration index; dims of size 1 index 0, as broadcasting indexes them
+        sizes = self.shape[:-1] if self.kind == "row" else self.shape
+        self.full = tuple(sympy.Integer(0) if n == 1 else s
+                          for s, n in zip(self.iter_syms, sizes)) + self.iter_syms[len(sizes):]
         self.phases = [Phase()]
         self.memo: dict = {}
         self.counter = 0
@@ -96,7 +100,7 @@ class Lowering:
 
     # ------------------------------------------------------------------ schedule
     def run(self) -> LoweredKernel:
-        full = tuple(self.iter_syms)
+        full = self.full
         if self.kind == "row":
             for level in range(max(self.levels.values(), default=-1) + 1):
                 for vid, lv in self.levels.items():
@@ -199,7 +203,7 @@ class Lowering:
         return self._pointwise(vid, op, index, preds)
 
     def _reduction_value(self, vid, index):
-        rows = tuple(self.iter_syms[:-1])
+        rows = self.full[:-1]
         if self.kind != "row" or tuple(index[:len(rows)]) != rows or any(i != 0 for i in index[len(rows):]):
             raise NotFusable("a reduction result is used at another row than the one it reduces")
         if ("red", vid) not in self.memo:

@@ -20,6 +20,8 @@ TL_DTYPE = {
     torch.bool: "tl.int1",
 }
 ROUNDED = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+# Whether this torch saturates out-of-range fp32 -> e4m3fn conversions to +-448 (else NaN).
+FP8_SATURATES = torch.tensor([1000.0]).to(torch.float8_e4m3fn).float().item() == 448.0
 
 
 def reg_dtype(dtype: torch.dtype) -> str:
@@ -169,7 +171,7 @@ def cast(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
         if dst == torch.bfloat16:
             return f"fl.round_bf16({expr})"
         if dst == torch.float8_e4m3fn:
-            return f"fl.round_fp8e4m3({expr})"
+            return f"fl.round_fp8e4m3({expr}, {FP8_SATURATES})"
         if dst == torch.float8_e5m2:
             raise NotFusable("float8_e5m2 results stay on ATen (overflow rules differ)")
         return f"{expr}.to({TL_DTYPE[dst]}).to(tl.float32)"

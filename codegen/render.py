@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import sympy
+import torch
 
 from . import ops
 from .indexing import coalesce, delinearize, print_expr
@@ -81,7 +82,7 @@ def _render_kernel(lk: LoweredKernel, name: str):
     sizes = list(lk.shape[:-1]) if row else list(lk.shape)
     protected = set().union(*(p.free_symbols for p in preds)) if preds else set()
     new_syms, new_sizes, _ = coalesce(syms, sizes, exprs, protected)
-    subs = {s: 0 for s in syms if s not in new_syms}
+    subs = {s: sympy.Integer(0) for s in syms if s not in new_syms}
     subs.update(dict(zip(new_syms, delinearize(RINDEX if row else XINDEX, new_sizes))))
     subs[COL] = COLS
     vec = {RINDEX, COLS} if row else {XINDEX}
@@ -118,8 +119,10 @@ def _render_kernel(lk: LoweredKernel, name: str):
         off = idx(offset)
         want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
-        dt = ops.TL_DTYPE[lk.ir.values[lk.ir.outputs[pos]].dtype]
-        return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {var.name}.to({dt}), mask={mask_of(want, ())})"]
+        dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
+        value = (f"fl.store_fp8e4m3({var.name})" if dtype == torch.float8_e4m3fn
+                 else f"{var.name}.to({ops.TL_DTYPE[dtype]})")
+        return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask_of(want, ())})"]
 
     def stmt_lines(stmt):
         kind = stmt[0]

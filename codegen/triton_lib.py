@@ -41,16 +41,37 @@ if INTERPRET:
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
     # The interpreter's fp32 -> fp8 e4m3 conversion rounds ties away from even and gets carries
-    # into the exponent wrong (124.5 -> 64). Round to nearest even by hand: scale by the
-    # quantum of x's binade, round with the 1.5 * 2^23 trick, scale back.
+    # into the exponent wrong (124.5 -> 64). Round to nearest even by hand: scale |x| by the
+    # quantum of its binade, round with the 1.5 * 2^23 trick, scale back, restore the sign.
     @triton.jit
-    def round_fp8e4m3(x):
-        bits = x.to(tl.uint32, bitcast=True)
+    def round_fp8e4m3(x, SATURATE: tl.constexpr):
+        a = tl.abs(x)
+        bits = a.to(tl.uint32, bitcast=True)
         e = ((bits >> 23) & 0xFF).to(tl.int32) - 127
         e = tl.maximum(e, -6) - 3
         quantum = ((e + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
-        r = ((x / quantum + 12582912.0) - 12582912.0) * quantum
-        return tl.where((tl.abs(x) > 464.0) | (x != x), float("nan"), r)
+        r = ((a / quantum + 12582912.0) - 12582912.0) * quantum
+        if SATURATE:
+            r = tl.minimum(r, 448.0)
+        else:
+            r = tl.where(a > 464.0, float("nan"), r)
+        sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+        r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)
+
+    @triton.jit
+    def store_fp8e4m3(r):
+        """Exactly representable fp32 -> e4m3fn, encoded by hand (the interpreter's conversion
+        mangles NaN and signed zero)."""
+        bits = r.to(tl.uint32, bitcast=True)
+        sign = (bits >> 31) << 7
+        a = tl.abs(r)
+        e = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+        normal = (((e + 7) << 3) | ((a.to(tl.uint32, bitcast=True) >> 20) & 7).to(tl.int32)).to(tl.uint32)
+        sub = (a * 512.0).to(tl.uint32)
+        code = tl.where(a >= 0.015625, normal, sub)
+        code = tl.where(r != r, 0x7F, code | sign)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
     def tanh(x):
@@ -81,9 +102,14 @@ else:
         return x.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
-    def round_fp8e4m3(x):
-        # the GPU saturates (satfinite); torch makes |x| > 464 NaN: do as torch does
-        x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
+    def store_fp8e4m3(r):
+        return r.to(tl.float8e4nv)
+
+    @triton.jit
+    def round_fp8e4m3(x, SATURATE: tl.constexpr):
+        # the GPU conversion saturates (satfinite); where torch makes |x| > 464 NaN, do so too
+        if not SATURATE:
+            x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
         return x.to(tl.float8e4nv).to(tl.float32)
 
     tanh = libdevice.tanh

@@ -66,9 +66,10 @@ def _collect_hints(val, hints: dict) -> None:
                       if isinstance(v, torch.SymInt))
     for v in values:
         shape_env = v.node.shape_env
+        known = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
         for sym in v.node.expr.free_symbols:
-            if sym not in hints and sym in shape_env.var_to_val:
-                hints[sym] = int(shape_env.var_to_val[sym])
+            if sym not in hints and sym in known:
+                hints[sym] = int(known[sym])
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:

@@ -1,0 +1,59 @@
+"""Rounding rules the kernels must share with eager, bit for bit."""
+import pytest
+import torch
+
+from helpers import assert_close, compile_and_run, kernel_count
+
+# fp8 e4m3fn edge cases: ties to even, carries into the next binade, subnormals, saturation
+# boundary (464 rounds to 448, anything above is NaN in torch), signed zero, NaN.
+FP8_EDGES = [0.0, -0.0, 1.0, 1.0625, 1.1875, 124.0, 124.5, 120.0, 127.9, 42.0, 44.0, 46.0,
+             0.001953125, 0.0029296875, 0.013671875, 0.0146484375, 0.015625, 447.0, 448.0,
+             463.9, 464.0, 464.5, 1000.0, -124.5, -42.0, -0.0029296875, float("nan")]
+
+
+def to_fp8(x):
+    return x.to(torch.float8_e4m3fn)
+
+
+def to_bf16(x):
+    return x.to(torch.bfloat16)
+
+
+def test_fp8_conversion_edges_bit_exact(device):
+    x = torch.tensor(FP8_EDGES * 3, device=device)
+    x = x * torch.tensor([1.0] * len(FP8_EDGES) + [0.5] * len(FP8_EDGES) + [2.0 ** -4] * len(FP8_EDGES),
+                         device=device)
+    out, reports = compile_and_run(to_fp8, (x,))
+    assert kernel_count(reports) == 1
+    ours, ref = out.view(torch.uint8).cpu(), to_fp8(x).view(torch.uint8).cpu()
+    nan = torch.isnan(to_fp8(x).float().cpu())
+    assert torch.equal(torch.isnan(out.float().cpu()), nan)
+    bad = ((ours != ref) & ~nan).nonzero().flatten().tolist()  # NaN payloads may differ
+    assert not bad, [(x[i].item(), ours[i].item(), ref[i].item()) for i in bad]
+
+
+def test_fp8_conversion_random_bit_exact(device):
+    x = torch.randn(4099, device=device) * torch.logspace(-3, 2.7, 4099, device=device)
+    out, _ = compile_and_run(to_fp8, (x,))
+    assert torch.equal(out.view(torch.uint8).cpu(), to_fp8(x).view(torch.uint8).cpu())
+
+
+def test_bf16_rounding_is_nearest_even(device):
+    # fp32 values exactly halfway between bf16 neighbours, and just off halfway
+    base = torch.randn(2048, device=device).to(torch.bfloat16).float()
+    ulp = torch.finfo(torch.bfloat16).eps * base.abs().clamp(min=1e-3)
+    x = torch.cat([base + ulp / 2, base - ulp / 2, base + ulp * 0.49, base + ulp * 0.51])
+    out, reports = compile_and_run(to_bf16, (x,))
+    assert kernel_count(reports) == 1
+    assert torch.equal(out.cpu(), to_bf16(x).cpu())
+
+
+@pytest.mark.parametrize("op", [torch.amax, torch.amin, torch.sum])
+def test_nan_and_inf_propagate_through_reductions(op, device):
+    x = torch.randn(5, 33, device=device)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3, 32] = -float("inf")
+    out, reports = compile_and_run(lambda t: op(t * 2.0, dim=-1, keepdim=True) + 1.0, (x,))
+    assert kernel_count(reports) == 1
+    assert_close(out, op(x * 2.0, dim=-1, keepdim=True) + 1.0)

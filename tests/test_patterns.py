@@ -1,0 +1,119 @@
+"""Each memory-bound pattern becomes exactly one generated kernel and matches eager.
+
+Kernels run on the GPU when there is one, else in Triton's interpreter on small shapes.
+"""
+import pytest
+import torch
+
+import fusion_compiler
+
+from helpers import (as_tuple, assert_close, assert_fp8_matches, compile_and_run, kernel_count,
+                     leftover_aten)
+from patterns import PATTERNS, make_args, randn, rope
+
+ROW_PATTERNS = ["add_rmsnorm", "add_layernorm", "swiglu", "bias_gelu", "bias_gelu_erf",
+                "rmsnorm_fp8", "rmsnorm_dynamic_fp8", "dequant_add", "softmax_scale"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# rows x N: odd sizes, a long row (looped kernel) and a single row
+SHAPES = [(1, 9), (7, 41), (333, 9), (7, 4231), (1, 65536), (3, 65536)]
+SMALL_SHAPES = [(7, 41), (333, 9)]
+
+
+def check_outputs(name, out, ref, dtype):
+    for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(ref))):
+        if e.dtype == torch.float8_e4m3fn:
+            assert_fp8_matches(a, e)
+        else:
+            assert_close(a, e, dtype=dtype if e.dtype == dtype else e.dtype, name=f"{name}[{i}]")
+
+
+def assert_one_kernel(reports):
+    assert kernel_count(reports) == 1, [r.kernels for r in reports]
+    assert leftover_aten(reports) == [], leftover_aten(reports)
+
+
+@pytest.mark.parametrize("rows,n", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ROW_PATTERNS)
+def test_pattern_is_one_kernel(name, dtype, rows, n, device):
+    if name == "dequant_add" and dtype != torch.bfloat16:
+        pytest.skip("dequant_add is defined in bf16")
+    if n == 65536 and rows * n > 100_000 and device == "cpu":
+        pytest.skip("interpreter: one long-row case is enough on the CPU")
+    args = make_args(name, rows, n, dtype, device)
+    out, reports = compile_and_run(PATTERNS[name], args)
+    assert_one_kernel(reports)
+    check_outputs(name, out, PATTERNS[name](*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ROW_PATTERNS)
+def test_pattern_strided_input(name, dtype, device):
+    if name == "dequant_add" and dtype != torch.bfloat16:
+        pytest.skip("dequant_add is defined in bf16")
+    args = make_args(name, 7, 41, dtype, device, strided=True)
+    assert not args[0].is_contiguous()
+    out, reports = compile_and_run(PATTERNS[name], args)
+    assert_one_kernel(reports)
+    check_outputs(name, out, PATTERNS[name](*args), dtype)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("name", ["add_rmsnorm", "add_layernorm", "swiglu", "bias_gelu",
+                                  "softmax_scale", "dequant_add"])
+def test_pattern_training(name, dynamic, device):
+    """Forward is one kernel; gradients match eager; backward runs through the pipeline."""
+    dtype = torch.float32 if name != "dequant_add" else torch.bfloat16
+    args = make_args(name, 7, 41, dtype, device, grad=True)
+    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    out, reports = compile_and_run(PATTERNS[name], args, dynamic=dynamic)
+    ref = PATTERNS[name](*ref_args)
+    assert kernel_count(reports, "forward") == 1
+    assert leftover_aten(reports, "forward") == []
+    check_outputs(name, out, ref, dtype)
+    grad_out = torch.randn_like(as_tuple(ref)[0])
+    params = [a for a in args if a.requires_grad]
+    ref_params = [a for a in ref_args if a.requires_grad]
+    with fusion_compiler.capture_compiles() as bw_reports:
+        grads = torch.autograd.grad(as_tuple(out)[0], params, grad_out)
+    ref_grads = torch.autograd.grad(as_tuple(ref)[0], ref_params, grad_out)
+    # weight gradients reduce over rows (on ATen) in another order: fp32 rounding differs
+    for i, (g, e) in enumerate(zip(grads, ref_grads)):
+        assert_close(g, e, atol=1e-4 if dtype == torch.float32 else None,
+                     rtol=1e-4 if dtype == torch.float32 else None, name=f"grad[{i}]")
+    # the backward is fused too: only reductions over rows (weight/bias grads) stay on ATen
+    assert set(leftover_aten(bw_reports, "backward")) <= {"aten.sum.dim_IntList"}
+
+
+ROPE_SHAPES = [(1, 1, 1, 8), (2, 3, 7, 64), (1, 2, 33, 9)]
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_is_one_kernel(shape, dtype, device):
+    b, h, s, d = shape
+    args = (randn(shape, dtype, device), randn((s, d), dtype, device), randn((s, d), dtype, device))
+    out, reports = compile_and_run(rope, args)
+    assert_one_kernel(reports)
+    assert_close(out, rope(*args), dtype=dtype)
+
+
+def test_rope_strided_query(device):
+    """q as attention produces it: [b, s, h, d] transposed to [b, h, s, d] (not contiguous)."""
+    q = randn((2, 7, 3, 64), torch.float32, device).transpose(1, 2)
+    cos, sin = randn((7, 64), torch.float32, device), randn((7, 64), torch.float32, device)
+    out, reports = compile_and_run(rope, (q, cos, sin))
+    assert_one_kernel(reports)
+    assert_close(out, rope(q, cos, sin))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_rope_training(dynamic, device):
+    q = randn((2, 3, 7, 16), torch.float32, device, requires_grad=True)
+    cos, sin = randn((7, 16), torch.float32, device), randn((7, 16), torch.float32, device)
+    out, reports = compile_and_run(rope, (q, cos, sin), dynamic=dynamic)
+    assert kernel_count(reports, "forward") == 1
+    q_ref = q.detach().clone().requires_grad_()
+    ref = rope(q_ref, cos, sin)
+    g = torch.randn_like(ref)
+    assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(ref, q_ref, g)[0])
