@@ -211,9 +211,13 @@ class Lowering:
         return self.memo[("red", vid)]
 
     def _as_strided(self, args, index, preds):
+        """as_strided addresses its input's storage: find the loaded tensor under the views."""
         src = ref_id(args[0])
-        if src is None or src >= len(self.ir.inputs):
-            raise NotFusable("as_strided of a value computed in the kernel")
+        while src is not None and src >= len(self.ir.inputs):
+            op = self.ir.ops[src - len(self.ir.inputs)]
+            if op.target not in VIEWS and op.target not in _INDEX_OPS and op.target != "aten.expand.default":
+                raise NotFusable("as_strided of a value computed in the kernel")
+            src = ref_id(op.args[0])
         offset = sympy.sympify(args[3] if len(args) > 3 and args[3] is not None else 0)
         base = offset - self.ir.inputs[src].storage_offset
         return self._load(src, index, preds, tuple(sympy.sympify(s) for s in args[2]), base)

@@ -54,7 +54,9 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
 
 
 def decomposition_table() -> dict:
-    table = dict(core_aten_decompositions())
+    # attention stays one ATen op (FlashAttention / memory-efficient kernels on the GPU)
+    table = {op: fn for op, fn in core_aten_decompositions().items()
+             if "scaled_dot_product" not in str(op)}
     table.update(get_decompositions(_ops(_EXTRA)))
     table[aten.var_mean.correction] = var_mean_correction
     return table

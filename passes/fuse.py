@@ -220,12 +220,18 @@ def _candidate_edges(groups, group_of, view):
 
 
 def _unit_graph(gm, view, group_of) -> nx.DiGraph:
-    """Graph of units: a group id per data node, the node itself for everything else."""
+    """Graph of units: a group id per data node, the node itself for other non-view nodes.
+
+    Views are contracted (an edge goes from the tensor a view reads to the view's users): a
+    view is index arithmetic inside whichever kernel reads it, so it cannot make a cycle."""
     g = nx.DiGraph()
     unit = lambda n: group_of.get(n, n)  # noqa: E731
     for n in gm.graph.nodes:
+        if view.is_transparent(n):
+            continue
         g.add_node(unit(n))
-        for a in n.all_input_nodes:
+        srcs = view.sources(n, set()) + [a for a in n.all_input_nodes if "fc_tensor" not in a.meta]
+        for a in srcs:
             if unit(a) != unit(n):
                 g.add_edge(unit(a), unit(n))
     return g

@@ -31,6 +31,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         u = unit(n)
         dag.add_node(u)
         first[u] = min(first.get(u, order[n]), order[n])
+        if n in group_of:
+            continue    # a kernel depends on what it loads, not on the views it inlined
         for a in n.all_input_nodes:
             if unit(a) != u:
                 dag.add_edge(unit(a), u)
@@ -51,6 +53,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             for k, o in enumerate(g.outputs):
                 env[o] = graph.call_function(operator.getitem, (call, k))
                 env[o].meta = dict(o.meta)
+        elif u.meta.get("fc_kind") in TRANSPARENT and any(a not in env for a in u.all_input_nodes):
+            continue    # a view of a value that lives only inside a kernel: inlined there
         else:
             env[u] = graph.node_copy(u, lambda a: env[a])
     for n in reversed(list(graph.nodes)):
