@@ -112,8 +112,24 @@ else:
             x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
         return x.to(tl.float8e4nv).to(tl.float32)
 
-    tanh = libdevice.tanh
-    log1p = libdevice.log1p
-    expm1 = libdevice.expm1
-    trunc = libdevice.trunc
-    pow = libdevice.pow
+    # wrapped in jit functions: Triton maps the generic libdevice module to the target's only
+    # where a kernel names it
+    @triton.jit
+    def tanh(x):
+        return libdevice.tanh(x)
+
+    @triton.jit
+    def log1p(x):
+        return libdevice.log1p(x)
+
+    @triton.jit
+    def expm1(x):
+        return libdevice.expm1(x)
+
+    @triton.jit
+    def trunc(x):
+        return libdevice.trunc(x)
+
+    @triton.jit
+    def pow(x, y):
+        return libdevice.pow(x, y)
