@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 
 from .config import Config
 from .decompositions import decomposition_table
@@ -108,7 +109,8 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 
     def compiler(kind):
         def compile_fn(aten_gm, _example_inputs):
-            return compile_aten_graph(aten_gm, kind, config)
+            # boxed: aot_autograd passes the argument list itself, so inputs can be freed early
+            return make_boxed_func(compile_aten_graph(aten_gm, kind, config))
         return compile_fn
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
