@@ -11,12 +11,12 @@ with one warning: the kernel then lives in a temporary folder for this process.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import triton
@@ -59,14 +59,14 @@ class KernelCache:
         path = self._path(self.root, key)
         source = self._read_valid(path, key)
         if source is not None:
-            module = self._import(path, key)
+            module = self._import(path, key, source)
             if module is not None:
                 self.hits += 1
         if module is None:
             source = make_source()
             self.generated += 1
             path = self._write(key, source)
-            module = self._import(path, key)
+            module = self._import(path, key, source)
             if module is None:
                 raise RuntimeError(f"fusion-compiler: generated kernel {path} does not import")
         self.modules[key] = module
@@ -78,10 +78,14 @@ class KernelCache:
 
     def _read_valid(self, path: Path, key: str):
         meta_path = path.with_suffix(".json")
+        if not path.exists() and not meta_path.exists():
+            return None     # not cached yet
         try:
             meta = json.loads(meta_path.read_text())
             source = path.read_text()
-        except (OSError, ValueError, UnicodeDecodeError):
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("fusion-compiler: kernel cache entry %s is damaged (%s); rebuilding",
+                        path, exc)
             return None
         if (not isinstance(meta, dict) or meta.get("key") != key
                 or meta.get("sha256") != hashlib.sha256(source.encode()).hexdigest()
@@ -94,30 +98,24 @@ class KernelCache:
     def _write(self, key: str, source: str) -> Path:
         meta = {"key": key, "sha256": hashlib.sha256(source.encode()).hexdigest(),
                 "triton": triton.__version__, "codegen": CODEGEN_FINGERPRINT}
-        for root in (self.root, self._fallback_root()):
-            path = self._path(root, key)
+        if self._fallback is None:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _atomic_write(path, source)
-                _atomic_write(path.with_suffix(".json"), json.dumps(meta))
-                return path
+                return _write_entry(self._path(self.root, key), source, meta)
             except OSError as exc:
                 log.warning("fusion-compiler: cannot write the kernel cache at %s (%s); "
-                            "using a temporary folder for this process", root, exc)
-        raise RuntimeError("fusion-compiler: no writable folder for generated kernels")
+                            "using a temporary folder for this process", self.root, exc)
+                self._fallback = Path(tempfile.mkdtemp(prefix="fusion-compiler-"))
+        return _write_entry(self._path(self._fallback, key), source, meta)
 
-    def _fallback_root(self) -> Path:
-        if self._fallback is None:
-            self._fallback = Path(tempfile.mkdtemp(prefix="fusion-compiler-"))
-        return self._fallback
-
-    def _import(self, path: Path, key: str):
+    def _import(self, path: Path, key: str, source: str):
+        """Module from the checked source; compiled here, so no stale bytecode is ever used.
+        (Triton reads the kernel's source back through ``path``.)"""
         name = f"fusion_kernel_{key}"
         try:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
+            module = types.ModuleType(name)
+            module.__file__ = str(path)
             sys.modules[name] = module
-            spec.loader.exec_module(module)
+            exec(compile(source, str(path), "exec"), module.__dict__)
             module.launch  # noqa: B018  (a module without its launcher is damaged)
             return module
         except Exception as exc:  # a damaged file can fail in any way: rebuild it
@@ -125,6 +123,13 @@ class KernelCache:
             log.warning("fusion-compiler: kernel cache entry %s fails to import (%s); rebuilding",
                         path, exc)
             return None
+
+
+def _write_entry(path: Path, source: str, meta: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, source)
+    _atomic_write(path.with_suffix(".json"), json.dumps(meta))
+    return path
 
 
 def _atomic_write(path: Path, text: str) -> None:

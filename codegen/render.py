@@ -35,7 +35,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
             kernels.append(("persistent", _render_kernel(Lowering(ir, hints, True).run(), "_persistent_kernel")))
         if not fits:
             kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
-    header = _header(ir, hints, title, kind)
+    header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = _render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block)
@@ -55,20 +55,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _header(ir, hints, title, kind):
-    def nbytes(v):
-        return int(sympy.sympify(sympy.Mul(*v.shape)).xreplace(_canon_hints(ir, hints))) * v.dtype.itemsize
-    read = sum(nbytes(v) for v in ir.inputs)
-    written = sum(nbytes(ir.values[o]) for o in ir.outputs)
+def _header(ir, title, kind):
+    """Header comment; a function of the IR alone, so one cache key has one source."""
+    def nbytes(values):
+        return sympy.simplify(sum((sympy.Mul(*v.shape) * v.dtype.itemsize for v in values),
+                                  sympy.Integer(0)))
+    read = nbytes(ir.inputs)
+    written = nbytes(ir.values[o] for o in ir.outputs)
     names = [op.target.replace("aten.", "").replace("prims.", "") for op in ir.ops]
     lines = [f"# fusion-compiler: {title} ({kind} kernel)",
              f"# fused ops ({len(names)}): " + ", ".join(names),
-             f"# estimated bytes at the example sizes: {read} read + {written} written"]
+             f"# bytes moved: {read} read + {written} written"]
     return "\n".join(lines)
-
-
-def _canon_hints(ir, hints):
-    return {s: hints.get(s, 1) for s in ir.symbols} if hints else {}
 
 
 # ---------------------------------------------------------------------------------- kernel

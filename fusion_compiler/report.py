@@ -37,7 +37,7 @@ def aten_compute_ops(gm: torch.fx.GraphModule) -> list:
     """Targets of call_function nodes that do work on ATen (views and sym reads excluded)."""
     out = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.meta.get("fc_group") is not None:
+        if n.op != "call_function" or "fc_launcher" in n.meta:
             continue
         name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
         if name in _FREE or not hasattr(n.target, "_schema") and "fc_tensor" not in n.meta:

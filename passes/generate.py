@@ -21,7 +21,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             continue
         hints = {k: ctx.size_hints.get(s, 1) for s, k in zip(g.graph_symbols, g.ir.symbols)}
         title = label(g)
-        key = g.ir.key(*ctx.cache.salt())
+        # everything the source depends on besides the IR goes into the key
+        key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block))
         module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
                                                       ctx.config.max_persistent_block))
         module.DEVICE = g.outputs[0].meta["fc_tensor"].device

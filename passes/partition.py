@@ -49,7 +49,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             g = by_id[u]
             syms = [_symbol_node(s, graph, env, placeholders, sym_nodes) for s in g.graph_symbols]
             call = graph.call_function(ctx.launchers[g.id], tuple(env[a] for a in g.inputs) + tuple(syms))
-            call.meta["fc_group"] = g.id
+            call.meta["fc_launcher"] = g.id
             for k, o in enumerate(g.outputs):
                 env[o] = graph.call_function(operator.getitem, (call, k))
                 env[o].meta = dict(o.meta)

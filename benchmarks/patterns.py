@@ -1,0 +1,88 @@
+"""Time the anchor patterns on the GPU: eager vs Inductor vs fusion, against the HBM floor.
+
+    python benchmarks/patterns.py [--small] [--out results.json]
+
+Same definitions and sizes as shared/anchors.py (bf16, 16384 x 4096; SwiGLU and bias+GELU at
+16384 x 11008; softmax at 256 x 4096 x 1024). Medians of triton.testing.do_bench.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import patterns as P  # noqa: E402
+
+import fusion_compiler  # noqa: E402,F401
+
+bf = torch.bfloat16
+M, H, I = 16384, 4096, 11008
+
+
+def cases(m):
+    dev = "cuda"
+    r = lambda *s: torch.randn(*s, device=dev, dtype=bf)  # noqa: E731
+    return {
+        "add_rmsnorm": (P.add_rmsnorm, lambda: (r(m, H), r(m, H), r(H)), 4 * m * H * 2 + H * 2),
+        "add_layernorm": (P.add_layernorm, lambda: (r(m, H), r(m, H), r(H), r(H)), 4 * m * H * 2),
+        "swiglu": (P.swiglu, lambda: (r(m, I), r(m, I)), 3 * m * I * 2),
+        "bias_gelu": (P.bias_gelu, lambda: (r(m, I), r(I)), 2 * m * I * 2),
+        "rmsnorm_fp8": (P.rmsnorm_fp8, lambda: (r(m, H), r(H), torch.tensor(0.05, device=dev)), m * H * 3),
+        "rmsnorm_dynamic_fp8": (P.rmsnorm_dynamic_fp8, lambda: (r(m, H), r(H)), m * H * 3 + m * 4),
+        "dequant_add": (P.dequant_add, lambda: (torch.randint(-127, 127, (m, H), dtype=torch.int8, device=dev), r(H), r(m, H)), m * H * 5),
+        "softmax_scale": (P.softmax_scale, lambda: (r(m // 64, 4096, 1024),), 2 * (m // 64) * 4096 * 1024 * 2),
+    }
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 29, dtype=bf, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    return 2 * a.numel() * 2 / (ms * 1e-3)
+
+
+def bench(fn, args):
+    return do_bench(lambda: fn(*args), warmup=25, rep=200, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="*", default=[M])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", nargs="*", default=None)
+    a = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = {"copy_TBps": bw / 1e12, "patterns": {}}
+    for m in a.rows:
+        for name, (fn, mk, nbytes) in cases(m).items():
+            if a.only and name not in a.only:
+                continue
+            args = mk()
+            floor = nbytes / bw * 1e3
+            row = {"rows": m, "floor_ms": floor}
+            for backend in ("eager", "inductor", "fusion"):
+                torch._dynamo.reset()
+                f = fn if backend == "eager" else torch.compile(fn, backend=backend)
+                t0 = time.time()
+                f(*args)
+                torch.cuda.synchronize()
+                row[f"{backend}_first_call_s"] = time.time() - t0
+                row[f"{backend}_ms"] = bench(f, args)
+                row[f"{backend}_frac_floor"] = floor / row[f"{backend}_ms"]
+            results["patterns"][f"{name}@{m}"] = row
+            print(f"{name:22s} rows={m:6d} floor {floor*1e3:8.1f}us  eager {row['eager_ms']*1e3:8.1f}us "
+                  f"({row['eager_frac_floor']:.0%})  inductor {row['inductor_ms']*1e3:8.1f}us "
+                  f"({row['inductor_frac_floor']:.0%})  fusion {row['fusion_ms']*1e3:8.1f}us "
+                  f"({row['fusion_frac_floor']:.0%})", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

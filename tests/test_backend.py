@@ -1,0 +1,325 @@
+"""The backend as users meet it: registration, packaging, CPU fallback, dynamic shapes, odd
+inputs, configuration errors, training."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusion_compiler
+from fusion_compiler import backend
+from fusion_compiler.config import Config, ConfigError
+from helpers import as_tuple, assert_close, compile_and_run, kernel_count, leftover_aten
+
+SUBPROCESS_TIMEOUT = 180
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    d = tmp_path / "kernel-cache"
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(d))
+    monkeypatch.setattr(backend, "_caches", {})
+    return d
+
+
+def current_cache():
+    return backend.kernel_cache(Config.from_env())
+
+
+def keys_of(reports):
+    return {k["key"] for r in reports for k in r.kernels}
+
+
+# ------------------------------------------------------------------- registration, packaging
+def test_backend_registered_by_entry_point():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    (ep,) = [e for e in eps if e.name == "fusion"]
+    assert ep.value == "fusion_compiler.backend:fusion_backend"
+    assert ep.load() is fusion_compiler.fusion_backend
+    assert "fusion" in torch._dynamo.list_backends()
+    from torch._dynamo.backends.registry import lookup_backend
+    assert lookup_backend("fusion") is fusion_compiler.fusion_backend
+
+
+def test_subpackages_import_through_package_dir_mapping():
+    codegen = importlib.import_module("fusion_compiler.codegen")
+    passes = importlib.import_module("fusion_compiler.passes")
+    root = Path(fusion_compiler.__file__).resolve().parent.parent
+    assert Path(codegen.__file__).resolve().parent == root / "codegen"
+    assert Path(passes.__file__).resolve().parent == root / "passes"
+    from fusion_compiler.codegen import cache, kernel_ir, render  # noqa: F401
+    from fusion_compiler.passes import pipeline, shapes
+    # Relative imports across the two mapped folders resolve to the same modules.
+    assert kernel_ir.TensorInfo is shapes.TensorInfo
+    assert pipeline.generate.generate is render.generate
+
+
+def test_subpackages_import_outside_the_checkout(tmp_path):
+    """From another folder (the checkout not on sys.path) the installed mapping is what works."""
+    code = ("import fusion_compiler.codegen.cache, fusion_compiler.passes.pipeline, sys; "
+            "import torch; assert 'fusion' in torch._dynamo.list_backends(); "
+            "print(fusion_compiler.codegen.__file__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith(os.path.join("codegen", "__init__.py"))
+
+
+# ---------------------------------------------------------------------------- CPU fallback
+CPU_CHILD = textwrap.dedent('''
+    import json, logging, os
+    import torch
+    import fusion_compiler
+    from fusion_compiler import backend
+
+    records = []
+
+    class Sink(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("fusion_compiler")
+    log.setLevel(logging.INFO)
+    log.addHandler(Sink())
+
+    def f(x):
+        return torch.softmax(x * 2, -1) + 1
+
+    def g(x, y):
+        return (x * y).relu() - y
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with fusion_compiler.capture_compiles() as reports:
+        ok_f = torch.allclose(torch.compile(f, backend="fusion")(x), f(x), atol=1e-6)
+        torch._dynamo.reset()
+        ok_g = torch.allclose(torch.compile(g, backend="fusion")(x, y), g(x, y), atol=1e-6)
+    cache_dir = backend.kernel_cache(fusion_compiler.Config.from_env()).root
+    print("RESULT " + json.dumps({
+        "ok": [ok_f, ok_g],
+        "reports": [[r.kind, r.ran_kernels, r.num_kernels] for r in reports],
+        "cpu_messages": sum("CPU tensors run the ATen graph" in m for m in records),
+        "generated": sum(c.generated for c in backend._caches.values()),
+        "cache_files": sorted(str(p) for p in cache_dir.rglob("*")) if cache_dir.exists() else [],
+        "interpret": os.environ.get("TRITON_INTERPRET"),
+    }))
+''')
+
+
+def test_cpu_fallback_without_interpreter(tmp_path):
+    script = tmp_path / "cpu_child.py"
+    script.write_text(CPU_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FUSION_COMPILER_CACHE_DIR"] = str(tmp_path / "cache")
+    env["FUSION_COMPILER_STRICT"] = "1"
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    assert res["interpret"] is None
+    assert res["ok"] == [True, True]
+    assert [r[0] for r in res["reports"]] == ["inference", "inference"]
+    assert all(not ran and n == 0 for _, ran, n in res["reports"]), res["reports"]
+    assert res["cpu_messages"] == 1, "the CPU message is logged once per process"
+    assert res["generated"] == 0 and res["cache_files"] == []
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+def _rowwise(x, w):
+    return torch.softmax(x * w, dim=-1) * 3 + x.sigmoid()
+
+
+def test_dynamic_true_reuses_kernels_across_batch_and_seq(cache_dir, device):
+    w = torch.randn(16, device=device)
+    torch._dynamo.reset()
+    fn = torch.compile(_rowwise, backend="fusion", dynamic=True, fullgraph=True)
+    with fusion_compiler.capture_compiles() as reports:
+        x = torch.randn(2, 5, 16, device=device)
+        assert_close(fn(x, w), _rowwise(x, w))
+    assert len(reports) == 1 and kernel_count(reports) >= 1 and not leftover_aten(reports)
+    keys, generated = keys_of(reports), current_cache().generated
+    with fusion_compiler.capture_compiles() as more:
+        for batch, seq in [(7, 3), (3, 111), (9, 37)]:      # rows 21, 333, 333 ...
+            x = torch.randn(batch, seq, 16, device=device)
+            assert_close(fn(x, w), _rowwise(x, w), name=f"{batch}x{seq}")
+    assert more == [], "a new batch/sequence length recompiled"
+    assert current_cache().generated == generated
+
+    # Size 1: dynamo specializes sizes 0 and 1 (even with dynamic=True), so batch=seq=1 is a
+    # recompile with static 1s in the graph; its kernels have another IR, hence new keys.
+    with fusion_compiler.capture_compiles() as ones:
+        x = torch.randn(1, 1, 16, device=device)
+        assert_close(fn(x, w), _rowwise(x, w), name="1x1")
+    assert len(ones) == 1, "size 1 is expected to recompile (0/1 specialization)"
+    assert ones[0].ran_kernels and not keys_of(ones) & keys
+    assert current_cache().generated > generated
+
+
+def test_mark_dynamic_reuses_kernels_across_rows(cache_dir, device):
+    w = torch.randn(16, device=device)
+    torch._dynamo.reset()
+    fn = torch.compile(_rowwise, backend="fusion", fullgraph=True)
+    with fusion_compiler.capture_compiles() as reports:
+        x = torch.randn(4, 16, device=device)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_close(fn(x, w), _rowwise(x, w))
+    assert len(reports) == 1 and kernel_count(reports) >= 1
+    keys, generated = keys_of(reports), current_cache().generated
+    with fusion_compiler.capture_compiles() as more:
+        for rows in (7, 333):
+            x = torch.randn(rows, 16, device=device)
+            torch._dynamo.mark_dynamic(x, 0)
+            assert_close(fn(x, w), _rowwise(x, w), name=f"rows={rows}")
+    assert more == [] and current_cache().generated == generated
+
+    # rows=1: mark_dynamic does not stop the 0/1 specialization here (no error is raised,
+    # dynamo just compiles a graph for rows == 1 with its own kernels).
+    with fusion_compiler.capture_compiles() as ones:
+        x = torch.randn(1, 16, device=device)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_close(fn(x, w), _rowwise(x, w), name="rows=1")
+    assert len(ones) == 1 and not keys_of(ones) & keys
+
+
+# Regression: a size-1 dim before the reduced one used to split softmax into 3 kernels
+# (broadcasting indexed the size-1 dim of the keepdim result at 0, the row loop at r0).
+@pytest.mark.parametrize("shape", [(1, 16), (7, 1, 16), (1, 7, 16)])
+def test_softmax_with_size_one_dim_is_one_kernel(shape, device):
+    x = torch.randn(*shape, device=device)
+
+    def softmax(a):
+        return torch.softmax(a, -1)
+    out, reports = compile_and_run(softmax, (x,))
+    assert_close(out, softmax(x))
+    assert kernel_count(reports) == 1, [r.decisions for r in reports]
+
+
+# ---------------------------------------------------------------------------- odd inputs
+_x = lambda *s, **kw: torch.randn(*s, **kw)  # noqa: E731
+
+CASES = {
+    # name: (fn, inputs(device), kernels expected)
+    "transposed": (lambda a: (a * 2 + 1).relu(), lambda d: (_x(16, 24, device=d).t(),), 1),
+    "transposed-softmax": (lambda a: torch.softmax(a, -1) * 2,
+                           lambda d: (_x(16, 24, device=d).t(),), 1),
+    "step-slice": (lambda a, b: (a * 2 + b).sigmoid(),
+                   lambda d: (_x(16, 24, device=d)[:, ::3], _x(8, device=d)), 1),
+    "step-slice-2d-softmax": (lambda a: torch.softmax(a * 2, -1),
+                              lambda d: (_x(16, 24, device=d)[::2, 1::3],), 1),
+    "offset-slice": (lambda a: a.exp() - 1, lambda d: (_x(10, 12, device=d)[3:, 2:9],), 1),
+    "0-dim-scalar-operand": (lambda a, s: a * s + s,
+                             lambda d: (_x(4, 6, device=d), torch.tensor(1.5, device=d)), 1),
+    "0-dim-only": (lambda s: (s * 2).exp() + 1, lambda d: (torch.tensor(0.3, device=d),), 1),
+    "0-dim-int": (lambda s, t: s * 3 + t,
+                  lambda d: (torch.tensor(4, device=d), torch.tensor(-5, device=d)), 1),
+    "int32": (lambda a, b: (a * 3 - b).abs() + 1,
+              lambda d: (torch.randint(-50, 50, (8, 12), dtype=torch.int32, device=d),
+                         torch.randint(-50, 50, (8, 12), dtype=torch.int32, device=d)), 1),
+    "int64-large": (lambda a: a * 2 + 7,
+                    lambda d: (torch.randint(-2**40, 2**40, (8, 12), device=d),), 1),
+    "int-compare-where": (lambda a: torch.where(a > 0, a, -a) * 2,
+                          lambda d: (torch.randint(-9, 9, (8, 12), device=d),), 1),
+    "int8": (lambda a: a + a, lambda d: (torch.randint(-60, 60, (8, 12), dtype=torch.int8,
+                                                       device=d),), 1),
+    "int-to-float": (lambda a: a.float() * 0.5 + 1,
+                     lambda d: (torch.randint(-9, 9, (8, 12), dtype=torch.int32, device=d),), 1),
+    "bool-where": (lambda m, v: torch.where(m, v, v * 2).relu(),
+                   lambda d: (_x(8, 12, device=d) > 0, _x(8, 12, device=d)), 1),
+    "bool-compare-out": (lambda a, b: (a > b) & (a > 0),
+                         lambda d: (_x(8, 12, device=d), _x(8, 12, device=d)), None),
+    "bool-logic": (lambda a, c: (a & c) | ~a,
+                   lambda d: (_x(8, 12, device=d) > 0, _x(8, 12, device=d) > 0), None),
+    "bool-to-int": (lambda m: m.int() * 3 + 1, lambda d: (_x(8, 12, device=d) > 0,), 1),
+    "fp64": (lambda a: (a * 2).exp() + a.tanh(),
+             lambda d: (_x(8, 12, device=d, dtype=torch.float64),), 1),
+    "fp64-softmax": (lambda a: torch.softmax(a, -1),
+                     lambda d: (_x(8, 12, device=d, dtype=torch.float64),), None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_odd_inputs_match_eager(name, device):
+    fn, make, kernels = CASES[name]
+    args = make(device)
+    out, reports = compile_and_run(fn, args)
+    for k, (a, e) in enumerate(zip(as_tuple(out), as_tuple(fn(*args)))):
+        assert_close(a, e, name=f"{name} output {k}")
+    assert len(reports) == 1 and reports[0].ran_kernels
+    if kernels is not None:
+        assert kernel_count(reports) == kernels, reports[0].groups_not_generated
+
+
+def test_ops_of_groups_not_generated_are_reported_as_aten(device):
+    x = torch.randn(8, 12, device=device, dtype=torch.float64)
+    out, reports = compile_and_run(lambda a: torch.softmax(a, -1), (x,))
+    assert_close(out, torch.softmax(x, -1))
+    assert reports[0].groups_not_generated            # fp64 reductions stay on ATen ...
+    assert "aten.amax.default" in leftover_aten(reports)   # ... and should be listed there
+
+
+# ---------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "1.5"])
+def test_bad_max_persistent_block_is_a_config_error(value, monkeypatch, device):
+    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", value)
+    with pytest.raises(ConfigError, match="FUSION_COMPILER_MAX_PERSISTENT_BLOCK"):
+        Config.from_env()
+    # Through torch.compile the error reaches the caller (wrapped by dynamo) and names it.
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(Exception) as info:
+        compile_and_run(lambda a: a.relu() + 1, (x,))
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert any(isinstance(c, ConfigError) for c in chain), [type(c).__name__ for c in chain]
+    assert "FUSION_COMPILER_MAX_PERSISTENT_BLOCK" in str(info.value)
+
+
+def test_bad_bool_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("FUSION_COMPILER_DISABLE", "maybe")
+    with pytest.raises(ConfigError, match="FUSION_COMPILER_DISABLE"):
+        Config.from_env()
+
+
+def test_disable_runs_eager_without_kernels(monkeypatch, cache_dir, device):
+    monkeypatch.setenv("FUSION_COMPILER_DISABLE", "1")
+    x, w = torch.randn(6, 16, device=device), torch.randn(16, device=device)
+    out, reports = compile_and_run(_rowwise, (x, w))
+    assert_close(out, _rowwise(x, w))
+    assert kernel_count(reports) == 0
+    assert not any(r.ran_kernels for r in reports)
+    assert current_cache().generated == 0 and not cache_dir.exists()
+
+
+# --------------------------------------------------------------------------------- training
+def test_training_gradients_match_eager(device):
+    def fn(x, w, b):
+        return torch.nn.functional.gelu(torch.softmax(x * w, -1) + b) * x
+
+    leaves = [torch.randn(6, 32, device=device), torch.randn(32, device=device),
+              torch.randn(32, device=device)]
+    ours = [t.clone().requires_grad_() for t in leaves]
+    ref = [t.clone().requires_grad_() for t in leaves]
+    grad_out = torch.randn(6, 32, device=device)
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(fn, backend="fusion", fullgraph=True)(*ours)
+        out.backward(grad_out)
+    expected = fn(*ref)
+    expected.backward(grad_out)
+    assert_close(out, expected)
+    for name, a, e in zip("xwb", ours, ref):
+        assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-4, name=f"grad {name}")
+    kinds = [r.kind for r in reports]
+    assert kinds == ["forward", "backward"], kinds
+    assert kernel_count(reports, "forward") >= 1
+    assert kernel_count(reports, "backward") >= 1
+    assert all(r.ran_kernels for r in reports)

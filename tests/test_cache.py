@@ -1,0 +1,546 @@
+"""The on-disk kernel cache (codegen/cache.py) seen through the backend.
+
+Every test points FUSION_COMPILER_CACHE_DIR at its own folder and empties ``backend._caches``,
+so the counters (``KernelCache.generated`` / ``.hits``) count only what the test did. Tests that
+need a second process run a short script with ``sys.executable`` (a few seconds each, mostly
+``import torch``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from fusion_compiler import backend
+from fusion_compiler.config import Config
+from helpers import assert_close, compile_and_run
+
+# The model the cache tests compile: a softmax row kernel and a pointwise tail on another shape
+# (two kernels), identical in this process and in the child processes (the source is shared).
+MODEL_SRC = '''
+import torch
+
+
+def model(x, w):
+    h = torch.softmax(x * w, dim=-1)
+    return torch.nn.functional.gelu(h + 1) * x, (w * 3).sigmoid()
+
+
+def model_inputs(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=g).to(device)
+    w = torch.randn(32, generator=g).to(device)
+    return x, w
+'''
+_ns: dict = {}
+exec(compile(MODEL_SRC, "<cache-test-model>", "exec"), _ns)
+model, model_inputs = _ns["model"], _ns["model_inputs"]
+
+SUBPROCESS_TIMEOUT = 180
+
+
+# ------------------------------------------------------------------------------------ helpers
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty cache folder for this test, and no KernelCache objects from earlier tests."""
+    d = tmp_path / "kernel-cache"
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(d))
+    monkeypatch.setattr(backend, "_caches", {})
+    return d
+
+
+def current_cache():
+    """The KernelCache the backend uses for the current environment."""
+    return backend.kernel_cache(Config.from_env())
+
+
+def forget_loaded_kernels(monkeypatch):
+    """Drop the in-memory KernelCache objects: the next compile reads the disk like a new process."""
+    monkeypatch.setattr(backend, "_caches", {})
+    torch._dynamo.reset()
+
+
+def kernel_keys(reports):
+    return [k["key"] for r in reports for k in r.kernels]
+
+
+def entry_files(root: Path) -> dict:
+    """{relative path: sha256 of the bytes} of every file in the cache (bytecode excluded)."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def assert_valid_entries(root: Path) -> int:
+    """Every entry is a .py with a .json naming its key and sha256; no temporaries are left."""
+    files = [p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    sources = {p.stem: p for p in files if p.suffix == ".py"}
+    metas = {p.stem: p for p in files if p.suffix == ".json"}
+    leftovers = [str(p) for p in files if p.suffix not in (".py", ".json") or p.name.startswith(".")]
+    assert not leftovers, f"files that are no cache entry: {leftovers}"
+    assert sources.keys() == metas.keys(), f"unpaired entries: {sources.keys() ^ metas.keys()}"
+    for key, py in sources.items():
+        assert py.parent.name == key[:2], f"{py} is not under its key prefix"
+        meta = json.loads(metas[key].read_text())
+        assert meta["key"] == key
+        assert meta["sha256"] == hashlib.sha256(py.read_bytes()).hexdigest(), f"{py}: checksum"
+        assert meta["triton"] == triton.__version__
+    return len(sources)
+
+
+def entry_paths(root: Path, key: str):
+    py = root / key[:2] / f"{key}.py"
+    return py, py.with_suffix(".json")
+
+
+def check_model(device):
+    """Compile and run the model; compare with eager; return the reports."""
+    x, w = model_inputs(device)
+    out, reports = compile_and_run(model, (x, w))
+    expected = model(x, w)
+    for k, (a, e) in enumerate(zip(out, expected)):
+        assert_close(a, e, name=f"output {k}")
+    return reports
+
+
+def child_env(cache: Path, device: str) -> dict:
+    env = dict(os.environ)
+    env["FUSION_COMPILER_CACHE_DIR"] = str(cache)
+    env["FUSION_COMPILER_STRICT"] = "1"
+    env["FC_TEST_DEVICE"] = device
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+CHILD_SRC = MODEL_SRC + '''
+import json, os, sys, time
+from pathlib import Path
+
+import fusion_compiler
+from fusion_compiler import backend
+from fusion_compiler.config import Config
+
+device = os.environ["FC_TEST_DEVICE"]
+go = os.environ.get("FC_TEST_GO")
+if go:  # start line: say we are ready, then wait for the parent's signal
+    Path(go + ".ready." + sys.argv[1]).touch()
+    deadline = time.time() + 120
+    while not os.path.exists(go) and time.time() < deadline:
+        time.sleep(0.005)
+x, w = model_inputs(device)
+with fusion_compiler.capture_compiles() as reports:
+    out = torch.compile(model, backend="fusion", fullgraph=True)(x, w)
+expected = model(x, w)
+cache = backend.kernel_cache(Config.from_env())
+from fusion_compiler.codegen.cache import CODEGEN_FINGERPRINT
+print("RESULT " + json.dumps({
+    "generated": cache.generated, "hits": cache.hits, "codegen": CODEGEN_FINGERPRINT,
+    "keys": [k["key"] for r in reports for k in r.kernels],
+    "max_err": max((a - e).abs().max().item() for a, e in zip(out, expected)),
+}))
+'''
+
+
+def write_child(tmp_path: Path) -> Path:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_SRC)
+    return script
+
+
+def child_result(proc_stdout: str, proc_stderr: str) -> dict:
+    lines = [ln for ln in proc_stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"child printed no result\nstdout:\n{proc_stdout}\nstderr:\n{proc_stderr[-4000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    check_same_codegen(res["codegen"])
+    return res
+
+
+def check_same_codegen(child_fingerprint: str) -> None:
+    """The child must see the code generator this process compiled with.
+
+    The fingerprint hashes codegen/*.py: if those files changed on disk while the test ran
+    (others edit the compiler), the child rightly uses another cache namespace; skip then. A
+    fingerprint that differs for the same files would be a real bug (non-deterministic key)."""
+    from fusion_compiler.codegen import cache as cache_mod
+
+    now = cache_mod._codegen_fingerprint()
+    if now != cache_mod.CODEGEN_FINGERPRINT:
+        pytest.skip("codegen/*.py changed on disk while the test ran")
+    assert child_fingerprint == now, "codegen fingerprint differs between processes"
+
+
+# ------------------------------------------------------------------ written once, reused
+def test_kernel_written_once_and_reused_in_process(cache_dir, device):
+    reports = check_model(device)
+    keys = kernel_keys(reports)
+    cache = current_cache()
+    assert len(keys) >= 2 and len(set(keys)) == len(keys)
+    assert cache.generated == len(keys) and cache.hits == 0
+    assert assert_valid_entries(cache_dir) == len(keys)
+    for key in keys:
+        assert entry_paths(cache_dir, key)[0].is_file()
+    files = entry_files(cache_dir)
+    mtimes = {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*") if p.is_file()}
+    modules = {k: cache.modules[k] for k in keys}
+
+    # Same function again after a dynamo reset: same kernels, nothing generated or re-read.
+    reports2 = check_model(device)
+    assert kernel_keys(reports2) == keys
+    assert current_cache() is cache
+    assert cache.generated == len(keys) and cache.hits == 0
+    assert all(cache.modules[k] is modules[k] for k in keys), "kernel modules were re-imported"
+    assert entry_files(cache_dir) == files
+    assert {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*") if p.is_file()} == mtimes
+
+
+def test_fresh_cache_object_reads_the_disk(cache_dir, device, monkeypatch):
+    keys = kernel_keys(check_model(device))
+    files = entry_files(cache_dir)
+    forget_loaded_kernels(monkeypatch)
+    keys2 = kernel_keys(check_model(device))
+    cache = current_cache()
+    assert keys2 == keys
+    assert cache.generated == 0 and cache.hits == len(keys)
+    assert entry_files(cache_dir) == files
+
+
+def test_second_process_generates_nothing(cache_dir, device, tmp_path):
+    keys = kernel_keys(check_model(device))
+    before = entry_files(cache_dir)
+    assert len(before) == 2 * len(keys)
+    proc = subprocess.run([sys.executable, str(write_child(tmp_path))], cwd=tmp_path,
+                          env=child_env(cache_dir, device), capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = child_result(proc.stdout, proc.stderr)
+    assert res["generated"] == 0, res
+    assert res["hits"] == len(keys) > 0, res
+    assert res["keys"] == keys
+    assert res["max_err"] < 1e-5
+    assert entry_files(cache_dir) == before, "the second process changed the cache"
+
+
+# --------------------------------------------------------------------------- damaged entries
+def _truncate(py, meta):
+    data = py.read_bytes()
+    py.write_bytes(data[: len(data) // 2])
+
+
+def _flip_byte(py, meta):
+    data = bytearray(py.read_bytes())
+    i = data.index(b"tl.load")  # inside a kernel: a silent change of code if it were trusted
+    data[i + 3] = ord("X")
+    py.write_bytes(bytes(data))
+
+
+def _bad_utf8(py, meta):
+    data = bytearray(py.read_bytes())
+    data[len(data) // 2] = 0xFF
+    py.write_bytes(bytes(data))
+
+
+def _delete_json(py, meta):
+    meta.unlink()
+
+
+def _garble_json(py, meta):
+    meta.write_text('{"key": "3a5362f9", "sha2')
+
+
+def _raises_on_import(py, meta):
+    # A source whose checksum matches (metadata rewritten): only the import can tell.
+    src = "raise RuntimeError('damaged kernel module')\n" + py.read_text()
+    py.write_text(src)
+    m = json.loads(meta.read_text())
+    m["sha256"] = hashlib.sha256(src.encode()).hexdigest()
+    meta.write_text(json.dumps(m))
+
+
+def _no_launcher(py, meta):
+    src = py.read_text().replace("def launch(", "def not_launch(")
+    py.write_text(src)
+    m = json.loads(meta.read_text())
+    m["sha256"] = hashlib.sha256(src.encode()).hexdigest()
+    meta.write_text(json.dumps(m))
+
+
+DAMAGE = {"truncate": _truncate, "flip_byte": _flip_byte, "bad_utf8": _bad_utf8,
+          "delete_json": _delete_json, "garble_json": _garble_json,
+          "raises_on_import": _raises_on_import, "no_launcher": _no_launcher}
+
+
+def _damage_and_recompile(kind, cache_dir, device, monkeypatch, caplog):
+    """Build the cache, damage the first kernel's entry, compile in a 'new process'."""
+    keys = kernel_keys(check_model(device))
+    victim = keys[0]
+    py, meta = entry_paths(cache_dir, victim)
+    original = py.read_bytes()
+    DAMAGE[kind](py, meta)
+    forget_loaded_kernels(monkeypatch)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        reports = check_model(device)           # still correct vs eager
+    cache = current_cache()
+    assert kernel_keys(reports) == keys
+    assert cache.generated == 1, "exactly the damaged entry is rebuilt"
+    assert cache.hits == len(keys) - 1
+    assert py.read_bytes() == original, "the rebuilt source differs from the original"
+    assert assert_valid_entries(cache_dir) == len(keys)
+    warnings = [r for r in caplog.records
+                if r.name == "fusion_compiler" and r.levelno >= logging.WARNING]
+    return victim, py, warnings
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_entry_is_rebuilt(kind, cache_dir, device, monkeypatch, caplog):
+    _damage_and_recompile(kind, cache_dir, device, monkeypatch, caplog)
+
+
+@pytest.mark.parametrize("kind", [
+    "truncate", "flip_byte", "bad_utf8", "delete_json", "garble_json",
+    "raises_on_import", "no_launcher"])
+def test_damaged_entry_is_reported(kind, cache_dir, device, monkeypatch, caplog):
+    victim, py, warnings = _damage_and_recompile(kind, cache_dir, device, monkeypatch, caplog)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    msg = warnings[0].getMessage()
+    assert victim in msg and "rebuilding" in msg, msg
+
+
+def test_rebuild_after_import_failure_ignores_stale_bytecode(tmp_path, monkeypatch):
+    from fusion_compiler.codegen.cache import KernelCache
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    good = "def launch():\n    return 'good'\n"
+    bad = "raise RuntimeError('bad')\n"
+    bad += "#" * (len(good) - len(bad) - 1) + "\n"     # same size as the good source
+    assert len(bad) == len(good)
+    key = "ab" + "0" * 30
+    while time.time() % 1 > 0.5:                        # keep both writes in one mtime second
+        time.sleep(0.05)
+    cache = KernelCache(tmp_path / "c")
+    cache._write(key, bad)                              # checksum-valid, fails on import
+    assert cache.load(key, lambda: good).launch() == "good"
+
+
+# ------------------------------------------------------------------------ unwritable folder
+@pytest.fixture
+def unwritable_cache_dir(tmp_path, monkeypatch):
+    """A cache path that cannot be created or written, even by root."""
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o500)
+    probe = ro / "probe"
+    try:
+        probe.mkdir()
+    except OSError:
+        target = ro / "cache"                   # chmod works: an ordinary user
+    else:                                       # root ignores permissions: a path under a FILE
+        probe.rmdir()
+        blocker = tmp_path / "a-regular-file"
+        blocker.write_text("not a folder")
+        target = blocker / "cache"
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(target))
+    monkeypatch.setattr(backend, "_caches", {})
+    yield target
+    ro.chmod(0o700)
+    for cache in backend._caches.values():
+        if cache._fallback is not None:
+            shutil.rmtree(cache._fallback, ignore_errors=True)
+
+
+def _unwritable_run(unwritable_cache_dir, device, caplog):
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        reports = check_model(device)
+    keys = kernel_keys(reports)
+    assert len(keys) >= 2 and all(r.ran_kernels for r in reports)
+    for k in reports[0].kernels:
+        assert not Path(k["path"]).is_relative_to(unwritable_cache_dir)
+        assert Path(k["path"]).is_file()
+    assert not unwritable_cache_dir.exists()
+    return [r.getMessage() for r in caplog.records
+            if r.name == "fusion_compiler" and r.levelno >= logging.WARNING
+            and "cannot write the kernel cache" in r.getMessage()]
+
+
+def test_unwritable_cache_dir_warns_and_still_works(unwritable_cache_dir, device, caplog):
+    warnings = _unwritable_run(unwritable_cache_dir, device, caplog)
+    assert warnings and str(unwritable_cache_dir) in warnings[0]
+
+
+def test_unwritable_cache_dir_warns_once(unwritable_cache_dir, device, caplog):
+    warnings = _unwritable_run(unwritable_cache_dir, device, caplog)
+    assert len(warnings) == 1, warnings
+
+
+# ------------------------------------------------------------------------------ cache keys
+def _pointwise(a):
+    return (a * 2).sigmoid() + 1
+
+
+def test_key_changes_with_dtype(cache_dir, device):
+    keys = {}
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        x = torch.randn(6, 10, device=device, dtype=dtype)
+        out, reports = compile_and_run(_pointwise, (x,))
+        assert_close(out, _pointwise(x))
+        keys[dtype] = kernel_keys(reports)
+        assert len(keys[dtype]) == 1
+    assert len({k[0] for k in keys.values()}) == 3, keys
+
+
+def test_key_changes_with_triton_version(cache_dir, device, monkeypatch):
+    x = torch.randn(6, 10, device=device)
+    _, reports = compile_and_run(_pointwise, (x,))
+    (old,) = kernel_keys(reports)
+    monkeypatch.setattr(triton, "__version__", triton.__version__ + ".post999")
+    out, reports = compile_and_run(_pointwise, (x,))
+    assert_close(out, _pointwise(x))
+    (new,) = kernel_keys(reports)
+    assert new != old
+    assert current_cache().generated == 2
+    meta = json.loads(entry_paths(cache_dir, new)[1].read_text())
+    assert meta["triton"] == triton.__version__
+
+
+def test_key_changes_with_max_persistent_block(cache_dir, device, monkeypatch):
+    x = torch.randn(4, 100, device=device)
+
+    def softmax(a):
+        return torch.softmax(a * 2, -1)
+    _, reports = compile_and_run(softmax, (x,))
+    (default_key,) = kernel_keys(reports)
+    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
+    out, reports = compile_and_run(softmax, (x,))
+    assert_close(out, softmax(x))
+    (small_key,) = kernel_keys(reports)
+    assert "_looped_kernel" in Path(reports[0].kernels[0]["path"]).read_text()
+    assert small_key != default_key
+
+
+def test_key_ignores_graph_symbol_names(cache_dir, device, monkeypatch):
+    """The same kernel in two graphs whose size symbols have other names shares one key."""
+    from fusion_compiler.passes import fuse
+
+    seen = []
+    real = fuse.build_kernel_ir
+
+    def spy(*args, **kwargs):
+        ir, syms = real(*args, **kwargs)
+        seen.append(([str(s) for s in syms], ir.text()))
+        return ir, syms
+    monkeypatch.setattr(fuse, "build_kernel_ir", spy)
+
+    def first(a):
+        return (a * 2).relu() - 1
+
+    def second(m, b):  # m takes the first symbols, so b's sizes get other names
+        return torch.mm(m, m), (b * 2).relu() - 1
+
+    a = torch.randn(5, 7, device=device)
+    m = torch.randn(3, 3, device=device)
+    out1, rep1 = compile_and_run(first, (a,), dynamic=True)
+    syms1 = [s for s, _ in seen]
+    seen.clear()
+    out2, rep2 = compile_and_run(second, (m, a), dynamic=True)
+    syms2 = [s for s, text in seen if "relu" in text]
+    assert_close(out1, first(a))
+    assert_close(out2[1], second(m, a)[1])
+    assert_close(out2[0], second(m, a)[0], atol=1e-5, rtol=1e-5)
+    (k1,) = kernel_keys(rep1)
+    (k2,) = kernel_keys(rep2)
+    assert syms1 and syms2 and syms1[0] != syms2[0], (syms1, syms2)   # really other names
+    assert k1 == k2
+    assert current_cache().generated == 1
+
+
+def test_key_ignores_symbol_names_in_kernel_ir():
+    """build_kernel_ir renames size symbols k0, k1, ... (unit level, no compile)."""
+    import sympy
+
+    from fusion_compiler.codegen.kernel_ir import build_kernel_ir
+    from fusion_compiler.passes.shapes import TensorInfo
+
+    def ir_for(s_rows, s_cols):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        mul = g.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+        relu = g.call_function(torch.ops.aten.relu.default, (mul,))
+        info = TensorInfo((s_rows, s_cols), (s_cols, sympy.Integer(1)), torch.float32,
+                          torch.device("cpu"), sympy.Integer(0))
+        for n in (x, mul, relu):
+            n.meta["fc_tensor"] = info
+        return build_kernel_ir([mul, relu], [x], [relu])
+
+    sym = lambda n: sympy.Symbol(n, integer=True, positive=True)  # noqa: E731
+    ir1, g1 = ir_for(sym("s0"), sym("s1"))
+    ir2, g2 = ir_for(sym("s27"), sym("s3"))
+    assert g1 != g2
+    assert ir1.text() == ir2.text()
+    assert ir1.key("a", "b") == ir2.key("a", "b")
+    assert ir1.key("a", "b") != ir1.key("a", "c")
+
+
+def test_source_of_a_key_does_not_depend_on_example_sizes(tmp_path, device, monkeypatch):
+    def fn(a):
+        return torch.softmax(a * 2, -1)
+    sources = {}
+    for n, shape in enumerate([(4, 16), (9, 40)]):
+        monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(tmp_path / f"c{n}"))
+        monkeypatch.setattr(backend, "_caches", {})
+        x = torch.randn(*shape, device=device)
+        out, reports = compile_and_run(fn, (x,), dynamic=True)
+        assert_close(out, fn(x))
+        (k,) = reports[0].kernels
+        sources[k["key"]] = sources.get(k["key"], set()) | {Path(k["path"]).read_text()}
+    assert len(sources) == 1, "expected one key for both sizes"
+    assert len(next(iter(sources.values()))) == 1, "one key, two different sources"
+
+
+# ------------------------------------------------------------------------------ concurrency
+def test_two_processes_fill_one_cache_at_once(cache_dir, device, tmp_path):
+    script = write_child(tmp_path)
+    go = tmp_path / "go"
+    env = child_env(cache_dir, device)
+    env["FC_TEST_GO"] = str(go)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        deadline = time.time() + SUBPROCESS_TIMEOUT
+        while not all((tmp_path / f"go.ready.{i}").exists() for i in range(2)):
+            assert all(p.poll() is None for p in procs), "a child died before the start line"
+            assert time.time() < deadline, "children never got ready"
+            time.sleep(0.01)
+        go.touch()                                      # both compile from here, together
+        outs = [p.communicate(timeout=SUBPROCESS_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr[-4000:]
+        results.append(child_result(stdout, stderr))
+    keys = results[0]["keys"]
+    assert keys and results[1]["keys"] == keys
+    for res in results:
+        assert res["max_err"] < 1e-5, res
+        assert res["generated"] + res["hits"] == len(keys), res
+    assert assert_valid_entries(cache_dir) == len(keys)
+
+    # The entries they left are usable: a third reader (this process) only hits.
+    reports = check_model(device)
+    assert kernel_keys(reports) == keys
+    assert current_cache().generated == 0 and current_cache().hits == len(keys)
