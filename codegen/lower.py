@@ -146,7 +146,7 @@ class Lowering:
         if src.dtype == torch.float64:
             raise NotFusable("fp64 reductions stay on ATen")
         dtype = self.ir.values[vid].dtype
-        res = Var(self._name("red"), torch.float32, False)
+        res = Var(self._name(kind), torch.float32, False)
         self.phases[-1].reductions.append((res, kind, self._name("acc"), src))
         out = res
         if kind == "mean" or dtype != torch.float32:
@@ -261,19 +261,19 @@ class Lowering:
         row_level = self.kind != "row" or any(v.row_level for v in tensors)
         if t in ops.CASTS or t == "aten.copy.default":
             src = tensors[-1]
-            return self._assign(ops.cast(src.name, src.dtype, out.dtype), out.dtype, row_level)
+            return self._assign(ops.cast(src.name, src.dtype, out.dtype), out.dtype, row_level, t)
         if t in ops.LOGICAL:
             names = [p.name if isinstance(p, Var) else ops.literal(p, torch.float32) for p in printed]
-            return self._assign(ops.LOGICAL[t](names), torch.bool, row_level)
+            return self._assign(ops.LOGICAL[t](names), torch.bool, row_level, t)
         if t == "aten.where.self":
             c, a, b = printed
             ct = out.dtype
             expr = f"tl.where({self._as(c, torch.bool)}, {self._as(a, ct)}, {self._as(b, ct)})"
-            return self._assign(expr, ct, row_level)
+            return self._assign(expr, ct, row_level, t)
         if t == "aten.masked_fill.Scalar":
             x, m, fill = printed
             expr = f"tl.where({self._as(m, torch.bool)}, {self._as(fill, out.dtype)}, {self._as(x, out.dtype)})"
-            return self._assign(expr, out.dtype, row_level)
+            return self._assign(expr, out.dtype, row_level, t)
         if t == "aten.fill.Scalar":
             return self._assign(f"tl.full([1], {self._as(printed[1], out.dtype)}, {ops.reg_dtype(out.dtype)})",
                                 out.dtype, row_level)
@@ -293,7 +293,7 @@ class Lowering:
         kwargs = {k: ops.literal(v, ct) for k, v in op.kwargs if isinstance(v, (int, float))}
         expr = ops.POINTWISE[t](names, kwargs, ct)
         dtype = torch.bool if is_compare else out.dtype
-        return self._assign(ops.cast(expr, ct, dtype) if not is_compare else expr, dtype, row_level)
+        return self._assign(ops.cast(expr, ct, dtype) if not is_compare else expr, dtype, row_level, t)
 
     def _as(self, p, ct: torch.dtype) -> str:
         """An operand (register or scalar) in compute dtype ``ct``."""
@@ -307,8 +307,10 @@ class Lowering:
         from .indexing import print_expr
         return print_expr(e)
 
-    def _assign(self, expr, dtype, row_level) -> Var:
-        var = Var(self._name("v"), dtype, row_level)
+    def _assign(self, expr, dtype, row_level, op=None) -> Var:
+        if expr.isidentifier():     # a cast that changes nothing: same register
+            return Var(expr, dtype, row_level)
+        var = Var(self._name(_short(op) if op else "v"), dtype, row_level)
         self._emit_to(row_level, ("assign", var, expr))
         return var
 
@@ -319,6 +321,12 @@ class Lowering:
     def _name(self, prefix):
         self.counter += 1
         return f"{prefix}{self.counter}"
+
+
+def _short(target: str) -> str:
+    """Variable name stem for an op: aten.rsqrt.default -> rsqrt, prims.convert_... -> convert."""
+    name = target.split(".")[1].lstrip("_")
+    return {"to_copy": "cast", "convert_element_type": "cast"}.get(name, name)
 
 
 def _flat(args):
