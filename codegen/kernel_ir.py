@@ -31,6 +31,7 @@ class IRValue:
     stride: tuple           # inputs: strides in memory; ops: () (values live in registers)
     dtype: torch.dtype
     storage_offset: sympy.Expr = sympy.Integer(0)   # inputs only (as_strided is absolute)
+    host_scalar: bool = False   # inputs only: a 0-dim CPU tensor passed by value to a GPU kernel
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class KernelIR:
         lines = [f"symbols {' '.join(map(str, self.symbols))}"]
         for i, v in enumerate(self.inputs):
             lines.append(f"%{i} = input {v.dtype} shape={v.shape} stride={v.stride} "
-                         f"offset={v.storage_offset}")
+                         f"offset={v.storage_offset}" + (" host-scalar" if v.host_scalar else ""))
         for j, op in enumerate(self.ops):
             vid = len(self.inputs) + j
             v = self.values[vid]
@@ -94,13 +95,20 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
     """IR of a group: ``nodes`` (topologically ordered FX nodes computed in the kernel, views
     included), ``inputs`` (FX nodes loaded from memory), ``outputs`` (nodes stored).
     Returns the IR and the graph symbols in canonical order."""
+    devices = {n.meta["fc_tensor"].device for n in outputs}
+    if len(devices) != 1:
+        raise NotFusable(f"outputs on several devices {sorted(map(str, devices))}")
+    device = devices.pop()
     canon = _Canon()
     ids: dict = {}
     values, ir_inputs, ops = [], [], []
     for node in inputs:
         info: TensorInfo = node.meta["fc_tensor"]
+        host_scalar = info.device != device and info.device.type == "cpu" and info.ndim == 0
+        if info.device != device and not host_scalar:
+            raise NotFusable(f"input {node.name} is on {info.device}, the kernel on {device}")
         v = IRValue(canon.tup(info.shape), canon.tup(info.stride), info.dtype,
-                    canon.expr(info.storage_offset))
+                    canon.expr(info.storage_offset), host_scalar)
         ids[node] = len(values)
         values.append(v)
         ir_inputs.append(v)

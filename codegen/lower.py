@@ -168,6 +168,10 @@ class Lowering:
         return var
 
     def _load(self, in_id, index, preds, stride, base):
+        if self.ir.inputs[in_id].host_scalar:     # passed by value: no memory access
+            var = Var(self._name("s"), self.ir.inputs[in_id].dtype, False)
+            self._emit_to(False, ("assign", var, f"in{in_id}"))
+            return var
         offset = base + self._offset(index, stride)
         row_level = self.kind != "row" or offset.has(COL) or any(p.has(COL) for p in preds)
         var = Var(self._name("x"), self.ir.inputs[in_id].dtype, row_level)

@@ -244,13 +244,16 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     lines = [f"def launch({', '.join(ins + syms)}):"]
+    # 0-dim CPU tensors reach a GPU kernel by value
+    ins = [f"in{i}.item()" if v.host_scalar else f"in{i}" for i, v in enumerate(ir.inputs)]
     outs = []
     for p, o in enumerate(ir.outputs):
         v = ir.values[o]
         lines.append(f"    out{p} = torch.empty_strided(({''.join(_py(s) + ', ' for s in v.shape)}), "
                      f"({''.join(_py(s) + ', ' for s in v.stride)}), dtype={v.dtype}, device=DEVICE)")
         outs.append(f"out{p}")
-    extents = [sympy.Mul(*shape)] + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs]
+    extents = [sympy.Mul(*shape)] + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
+                                     if not v.host_scalar]
     extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
     dynamic = [e for e in extents if not sympy.sympify(e).is_Integer]
     static64 = any(int(e) > INDEX_LIMIT for e in extents if sympy.sympify(e).is_Integer)

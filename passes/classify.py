@@ -73,6 +73,11 @@ SYMINT_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, opera
               operator.neg, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default}
 
 
+def is_host_scalar(info: TensorInfo) -> bool:
+    """A 0-dim CPU tensor: ATen lets it join GPU ops; a kernel takes its value as an argument."""
+    return info.device.type == "cpu" and info.ndim == 0
+
+
 def kind_of(node: torch.fx.Node) -> OpKind:
     """Kind of one node: the table's entry when every tensor it touches is kernel-friendly."""
     if node.op != "call_function":
@@ -88,7 +93,9 @@ def kind_of(node: torch.fx.Node) -> OpKind:
         if arg_info is None:
             if not isinstance(arg.meta.get("val"), torch.SymInt):
                 return OpKind.OPAQUE
-        elif arg_info.dtype not in KERNEL_DTYPES or arg_info.device != info.device:
+        elif arg_info.dtype not in KERNEL_DTYPES:
+            return OpKind.OPAQUE
+        elif arg_info.device != info.device and not is_host_scalar(arg_info):
             return OpKind.OPAQUE
     if kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):
         return OpKind.OPAQUE

@@ -16,6 +16,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for g in ctx.groups:
         if g.ir is None:
             continue
+        device = g.outputs[0].meta["fc_tensor"].device
+        if device.type == "cpu" and not ctx.run_on_cpu:
+            g.error = "CPU tensors run on ATen (TRITON_INTERPRET=1 runs kernels on the CPU)"
+            continue
         if not symbols_available(g, placeholders):
             g.error = "a size symbol is not readable from the graph inputs"
             continue
@@ -25,7 +29,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block))
         module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
                                                       ctx.config.max_persistent_block))
-        module.DEVICE = g.outputs[0].meta["fc_tensor"].device
+        module.DEVICE = device
         ctx.launchers[g.id] = module.launch
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
                             "ops": [str(n.target) for n in g.members]})

@@ -27,3 +27,22 @@ def test_pattern_large_bf16(name, rows, n):
             assert_fp8_matches(a, e, min_equal=0.999)
         else:
             assert_close(a, e, name=f"{name}[{i}]")
+
+
+class AddEps(torch.nn.Module):
+    """A float attribute: with dynamic=True dynamo passes it as a 0-dim CPU tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def test_cpu_scalar_joins_gpu_kernel():
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    out, reports = compile_and_run(AddEps(), (x,), dynamic=True)
+    assert kernel_count(reports) == 1
+    assert_close(out, AddEps()(x))
