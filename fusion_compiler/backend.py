@@ -19,6 +19,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from .config import Config
 from .decompositions import decomposition_table
 from .report import GraphReport, aten_compute_ops, publish
+from .summary import summarize
 
 log = logging.getLogger("fusion_compiler")
 _said_cpu = False
@@ -35,6 +36,7 @@ class CompileContext:
     run_on_cpu: bool
     size_hints: dict = field(default_factory=dict)
     decisions: list = field(default_factory=list)
+    unfused_cost: dict = field(default_factory=dict)
     groups: list = field(default_factory=list)
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
@@ -78,8 +80,13 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
                      "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU)")
             _said_cpu = True
         pipeline.analyze(gm, ctx)
+        if config.emit_sources:
+            from .passes import generate
+            generate.run(gm, ctx)
+            report.kernels = ctx.kernels
         report.decisions = ctx.decisions
         report.aten_ops = aten_compute_ops(gm)
+        report.summary = summarize(gm, ctx)
         publish(report)
         return gm
     try:
@@ -97,6 +104,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)
                                    for g in ctx.groups if g.id not in ctx.launchers]
     report.decisions = ctx.decisions
+    report.summary = summarize(gm, ctx)
     publish(report)
     return new_gm
 

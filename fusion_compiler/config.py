@@ -30,6 +30,9 @@ class Config:
     max_persistent_block: int = 16384
     # Most ops one fused group may hold: bounds compile time and register pressure.
     max_group_ops: int = 128
+    # Generate kernel sources even where they will not run (CPU without the interpreter), so
+    # `fusion-compiler dump --code` can show them.
+    emit_sources: bool = False
     # Cost model fallback device when no GPU is visible (see passes/cost_model.py).
     profile: str = "h200"
 

@@ -22,10 +22,12 @@ class GraphReport:
     groups_not_generated: list = field(default_factory=list)  # (ops, reason)
     decisions: list = field(default_factory=list)
     nodes_before: int = 0
+    summary: dict = field(default_factory=dict)   # fusion_compiler.summary.summarize
 
     @property
     def num_kernels(self) -> int:
-        return len(self.kernels)
+        """Generated kernels this graph runs."""
+        return sum(1 for k in self.kernels if k.get("runs", True))
 
 
 _FREE = {"getitem", "sym_size", "sym_stride", "sym_numel", "view", "_unsafe_view", "unsqueeze",

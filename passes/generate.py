@@ -17,7 +17,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if g.ir is None:
             continue
         device = g.outputs[0].meta["fc_tensor"].device
-        if device.type == "cpu" and not ctx.run_on_cpu:
+        runs = device.type != "cpu" or ctx.run_on_cpu
+        if not runs and not ctx.config.emit_sources:
             g.error = "CPU tensors run on ATen (TRITON_INTERPRET=1 runs kernels on the CPU)"
             continue
         if not symbols_available(g, placeholders):
@@ -30,9 +31,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
                                                       ctx.config.max_persistent_block))
         module.DEVICE = device
-        ctx.launchers[g.id] = module.launch
+        if runs:
+            ctx.launchers[g.id] = module.launch
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
-                            "ops": [str(n.target) for n in g.members]})
+                            "ops": [str(n.target) for n in g.members], "runs": runs})
     return gm
 
 

@@ -1,0 +1,99 @@
+"""Summaries of a compiled graph for people and tools: groups, ops left on ATen, refusals, totals.
+
+Built from the compile context after the passes ran; every number comes from the cost model
+(``passes/cost_model.py``) evaluated at the example inputs' sizes.
+"""
+from __future__ import annotations
+
+import torch
+
+from .passes.classify import OpKind
+from .passes.generate import label
+from .passes.shapes import hint
+
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "convolution",
+         "_int_mm"}
+
+
+def _short(target) -> str:
+    name = str(target)
+    for prefix in ("aten.", "prims."):
+        name = name.replace(prefix, "")
+    return name.replace(".default", "")
+
+
+def _tensor(node, hints):
+    info = node.meta["fc_tensor"]
+    return {"name": node.name, "shape": [hint(s, hints) for s in info.shape],
+            "dtype": str(info.dtype).replace("torch.", "")}
+
+
+def aten_reason(node) -> str:
+    """Why an op runs on ATen."""
+    base = str(node.target).split(".")[1] if str(node.target).startswith("aten.") else str(node.target)
+    if base in _GEMM:
+        return "GEMM (cuBLAS)"
+    if "scaled_dot_product" in base or "flash_attention" in base or "efficient_attention" in base:
+        return "attention"
+    if base == "embedding":
+        return "embedding (gather)"
+    kind = node.meta.get("fc_kind")
+    if kind is OpKind.REDUCTION or base in ("sum", "mean", "amax", "amin"):
+        return "reduction not over the last dimension"
+    return f"not supported by the code generator: {_short(node.target)}"
+
+
+def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
+    """Everything the dump shows for one graph, as plain data (the JSON schema of `dump`)."""
+    hints = ctx.size_hints
+    groups, before_time, after_time = [], 0.0, 0.0
+    before_bytes = after_bytes = 0
+    in_groups = set()
+    for g in ctx.groups:
+        unfused = [ctx.unfused_cost[n] for n in g.members]
+        ub = sum(c.bytes for c in unfused)
+        ut = sum(c.time for c in unfused)
+        generated = g.id in ctx.launchers or (not ctx.launchers and g.ir is not None and not g.error)
+        members = sorted(g.members, key=lambda n: g.nodes.index(n))
+        groups.append({
+            "id": g.id, "label": label(g), "ops": [_short(n.target) for n in members],
+            "nodes": [n.name for n in members],
+            "inputs": [_tensor(n, hints) for n in g.inputs],
+            "outputs": [_tensor(n, hints) for n in g.outputs],
+            "bytes_unfused": ub, "bytes_fused": g.cost.bytes,
+            "launches_saved": len(unfused) - 1,
+            "time_unfused_us": ut * 1e6, "time_fused_us": g.cost.time * 1e6,
+            "time_saved_us": (ut - g.cost.time) * 1e6,
+            "kernel": bool(generated), "why_not": g.error,
+        })
+        in_groups.update(g.members)
+        before_time, before_bytes = before_time + ut, before_bytes + ub
+        if generated:
+            after_time, after_bytes = after_time + g.cost.time, after_bytes + g.cost.bytes
+        else:
+            after_time, after_bytes = after_time + ut, after_bytes + ub
+    aten = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in in_groups or "fc_tensor" not in n.meta:
+            continue
+        if n.meta.get("fc_kind") in (OpKind.VIEW, OpKind.BROADCAST):
+            continue
+        aten.append({"node": n.name, "op": _short(n.target), "reason": aten_reason(n)})
+    refused = [d for d in ctx.decisions if not d["taken"]]
+    # data flow between nodes, by name: what `dump --format dot|html` draws
+    edges = [[a.name, n.name] for n in gm.graph.nodes if n.op == "call_function"
+             for a in n.all_input_nodes if a.op in ("call_function", "placeholder")]
+    kernels_after = sum(1 for g in groups if g["kernel"]) + sum(
+        len(g["ops"]) for g in groups if not g["kernel"])
+    return {
+        "kind": ctx.kind, "profile": ctx.profile.name, "groups": groups, "aten_ops": aten,
+        "refused": refused, "edges": edges,
+        "totals": {
+            "fusible_ops": sum(len(g["ops"]) for g in groups),
+            "kernels_before": sum(len(g["ops"]) for g in groups),
+            "kernels_after": kernels_after,
+            "aten_ops": len(aten),
+            "bytes_before": before_bytes, "bytes_after": after_bytes,
+            "time_before_us": before_time * 1e6, "time_after_us": after_time * 1e6,
+        },
+    }
