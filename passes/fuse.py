@@ -21,6 +21,9 @@ in ``ctx.groups``, the cost of each data node run alone in ``ctx.unfused_cost``.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -140,56 +143,64 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Group the data nodes of ``gm``; record every decision."""
     view = GraphView(gm)
     data = [n for n in gm.graph.nodes if view.is_data(n)]
-    group_of = {}
-    groups = {}
+    group_of, groups = {}, {}
     for i, n in enumerate(data):
         groups[i] = analyze(FusionGroup(i, frozenset([n])), view, ctx)
         group_of[n] = i
         ctx.unfused_cost[n] = groups[i].cost     # each op as its own kernel: the baseline
     unit = _unit_graph(gm, view, group_of)
+    succ, pred = defaultdict(set), defaultdict(set)     # producer -> consumer groups
+    for m in data:
+        for src in view.sources(m, set()):
+            p, c = group_of.get(src), group_of[m]
+            if p is not None and p != c:
+                succ[p].add(c)
+                pred[c].add(p)
+    heap, refused, seq = [], set(), itertools.count()
+
+    def push(p, c):
+        merged = analyze(FusionGroup(-1, groups[p].members | groups[c].members), view, ctx)
+        score = groups[p].cost.time + groups[c].cost.time - merged.cost.time
+        if score <= 0:
+            ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
+                                           "unprofitable: fused time is not lower"))
+            return
+        heapq.heappush(heap, (-score, next(seq), p, c, merged))
+
+    for p in list(succ):
+        for c in sorted(succ[p]):
+            push(p, c)
     next_id = len(data)
-    refused: dict = {}
-    merged_of: dict = {}
-    while True:
-        best = None
-        for p, c in _candidate_edges(groups, group_of, view):
-            key = (groups[p].members, groups[c].members)
-            if key in refused:
-                continue
-            merged = merged_of.get(key)
-            if merged is None:
-                merged = analyze(FusionGroup(-1, groups[p].members | groups[c].members), view, ctx)
-                merged_of[key] = merged
-            score = groups[p].cost.time + groups[c].cost.time - merged.cost.time
-            if score <= 0:
-                refused[key] = "unprofitable"
-                ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
-                                               "unprofitable: fused time is not lower"))
-                continue
-            if best is None or score > best[0]:
-                best = (score, p, c, merged)
-        if best is None:
-            break
-        score, p, c, merged = best
-        key = (groups[p].members, groups[c].members)
+    while heap:
+        neg_score, _, p, c, merged = heapq.heappop(heap)
+        if p not in groups or c not in groups or (p, c) in refused:
+            continue    # a group merged since this candidate was scored
         try:
             if _makes_cycle(unit, p, c):
                 raise NotFusable("cycle: another path leads from producer to consumer")
             check_legal(merged, ctx)
         except NotFusable as exc:
-            refused[key] = str(exc)
-            ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False, str(exc)))
+            refused.add((p, c))
+            ctx.decisions.append(_decision(groups[p], groups[c], merged, -neg_score, False, str(exc)))
             continue
-        ctx.decisions.append(_decision(groups[p], groups[c], merged, score, True, "fused"))
-        merged.id = next_id
+        ctx.decisions.append(_decision(groups[p], groups[c], merged, -neg_score, True, "fused"))
+        m = merged.id = next_id
         next_id += 1
         for n in merged.members:
-            group_of[n] = merged.id
-        nx.relabel_nodes(unit, {p: merged.id, c: merged.id}, copy=False)
-        if unit.has_edge(merged.id, merged.id):
-            unit.remove_edge(merged.id, merged.id)
+            group_of[n] = m
+        nx.relabel_nodes(unit, {p: m, c: m}, copy=False)
+        if unit.has_edge(m, m):
+            unit.remove_edge(m, m)
         del groups[p], groups[c]
-        groups[merged.id] = merged
+        groups[m] = merged
+        succ[m] = (succ.pop(p) | succ.pop(c, set())) - {p, c}
+        pred[m] = (pred.pop(p, set()) | pred.pop(c)) - {p, c}
+        for x in succ[m]:
+            pred[x] = (pred[x] - {p, c}) | {m}
+            push(m, x)
+        for x in pred[m]:
+            succ[x] = (succ[x] - {p, c}) | {m}
+            push(x, m)
     for g in groups.values():
         if g.ir is None:
             try:
@@ -207,17 +218,6 @@ def _decision(p, c, merged, score, taken, reason):
             "consumer": [n.name for n in sorted(c.members, key=lambda n: n.name)],
             "score_us": score * 1e6, "bytes_before": p.cost.bytes + c.cost.bytes,
             "bytes_after": merged.cost.bytes, "taken": taken, "reason": reason}
-
-
-def _candidate_edges(groups, group_of, view):
-    seen = set()
-    for cid, g in groups.items():
-        for m in g.members:
-            for src in view.sources(m, set()):
-                pid = group_of.get(src)
-                if pid is not None and pid != cid and (pid, cid) not in seen:
-                    seen.add((pid, cid))
-                    yield pid, cid
 
 
 def _unit_graph(gm, view, group_of) -> nx.DiGraph:
