@@ -56,9 +56,10 @@ def kernel_cache(config: Config):
 
 
 def make_context(config: Config, kind: str) -> CompileContext:
-    from .passes.cost_model import profile_named
+    from .passes.cost_model import resolve_profile
 
-    return CompileContext(config=config, kind=kind, profile=profile_named(config.profile),
+    return CompileContext(config=config, kind=kind,
+                          profile=resolve_profile(config.profile, config.cache_dir),
                           cache=kernel_cache(config), run_on_cpu=interpreting())
 
 

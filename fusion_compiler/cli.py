@@ -1,21 +1,339 @@
-"""Command line: `fusion-compiler ...`."""
+"""Command line: `fusion-compiler dump TARGET` shows the fusion decisions for a model.
+
+    fusion-compiler dump examples/llama.py                  # tables: groups, ATen ops, refusals
+    fusion-compiler dump models.py:make_vit --format html -o vit.html
+    fusion-compiler dump pkg.models:factory --training --profile h100 --format json
+
+TARGET names a factory returning ``(model, example_inputs)``: ``path/to/file.py`` (its
+``make_model_and_inputs``), ``path.py:factory`` or ``package.module:factory``. The model is
+compiled with ``fusion_compiler.explain`` (no GPU needed); ``dump_format`` renders the result,
+docs/dump-format.md describes the JSON. A wrong TARGET or option is one line on stderr,
+``fusion-compiler: error: ...``, and exit status 2 (1 if compiling the model fails).
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import numbers
+import os
 import sys
+import traceback
+from pathlib import Path
+
+SCHEMA = "fusion-compiler.dump/1"
+DEFAULT_FACTORY = "make_model_and_inputs"
+DTYPES = ("float32", "bfloat16", "float16")
+FORMATS = ("table", "json", "dot", "html")
+USAGE_HINT = "TARGET is path/to/file.py, path.py:factory or package.module:factory"
+
+
+class DumpError(Exception):
+    """A problem the user can fix; ``str(self)`` is the one line that says what and how."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error (still exit status 2)."""
+
+    def error(self, message):
+        self.exit(2, f"fusion-compiler: error: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .passes.cost_model import PROFILES
+
+    parser = _Parser(prog="fusion-compiler", description="Fusion compiler for PyTorch models")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    d = sub.add_parser(
+        "dump", help="show what the fusion backend does with a model",
+        description="Compile a model with the fusion backend and show its fusion decisions: "
+                    "the fused groups, the ops left on ATen, the refused fusions and the "
+                    "cost model's totals. Needs no GPU.",
+        epilog="TARGET: path/to/file.py (factory make_model_and_inputs), path.py:factory or "
+               "package.module:factory; the factory returns (model, example_inputs) and gets "
+               "device= and dtype= if it takes them.")
+    d.add_argument("target", metavar="TARGET", help="where the model factory is")
+    d.add_argument("--device", default="cpu", help="device= for the factory (default: cpu)")
+    d.add_argument("--dtype", choices=DTYPES,
+                   help="dtype= for the factory (default: the factory's own default)")
+    d.add_argument("--dynamic", action="store_true", help="compile with dynamic shapes")
+    d.add_argument("--training", action="store_true",
+                   help="forward + backward graphs (default: inference under no_grad)")
+    d.add_argument("--profile", type=str.lower, choices=[*PROFILES, "auto"],
+                   help="GPU the cost model assumes; auto: the visible GPU's (h200 without one); "
+                        "default: FUSION_COMPILER_PROFILE, else auto")
+    d.add_argument("--format", choices=FORMATS, default="table", help="output (default: table)")
+    d.add_argument("--code", action="store_true", help="also show each generated kernel's source")
+    d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    d.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fusion-compiler",
-                                     description="Fusion compiler for PyTorch models")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
         from . import __version__
         print(__version__)
         return 0
-    parser.print_help()
+    if args.command != "dump":
+        parser.print_help()
+        return 0
+    try:
+        text = dump(args)
+        if args.output:
+            try:
+                Path(args.output).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise DumpError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+        else:
+            sys.stdout.write(text)
+    except DumpError as exc:
+        if args.debug:
+            traceback.print_exception(exc.__cause__ or exc)
+        print(f"fusion-compiler: error: {exc}", file=sys.stderr)
+        return exc.status
     return 0
+
+
+def dump(args) -> str:
+    """The dump of ``args.target`` in ``args.format``."""
+    from .dump_format import RENDERERS
+
+    profile = _check_options(args)
+    with _target_imports(), contextlib.redirect_stdout(sys.stderr):   # stdout: the dump only
+        factory, where = load_factory(args.target)
+        model, inputs, kwargs = call_factory(factory, where, args.device, args.dtype)
+        summaries = _explain(model, inputs, args, profile, where)
+    options = {"device": args.device, "dtype": args.dtype, "dynamic": args.dynamic,
+               "training": args.training, "profile": profile, "code": args.code}
+    doc = document(args.target, where, options, kwargs, summaries)
+    if args.format == "json":
+        return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+    return RENDERERS[args.format](doc)
+
+
+def _check_options(args) -> str:
+    """Validate what argparse cannot; returns the cost-model profile to use."""
+    import torch
+
+    from .config import Config, ConfigError
+    from .passes.cost_model import PROFILES
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise DumpError(f"--device {args.device!r} is not a device name; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DumpError(f"--device {args.device}: the fusion backend compiles for cpu and cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DumpError(f"--device {args.device}: no CUDA device is visible here; use --device "
+                        "cpu (--profile picks the GPU the cost model assumes)")
+    if args.code and args.format == "dot":
+        raise DumpError("--code does not go with --format dot; use table, json or html")
+    if args.output:
+        out = Path(args.output)
+        if out.is_dir():
+            raise DumpError(f"-o {args.output} is a folder; give a file name")
+        if not out.resolve().parent.is_dir():
+            raise DumpError(f"-o {args.output}: folder {out.resolve().parent} does not exist")
+    if args.profile:
+        return args.profile
+    try:
+        profile = Config.from_env().profile.lower()
+    except ConfigError as exc:
+        raise DumpError(f"{exc}; fix or unset that environment variable") from exc
+    if profile not in PROFILES and profile != "auto":
+        raise DumpError(f"FUSION_COMPILER_PROFILE={profile!r} is not a known profile; use one "
+                        f"of {', '.join(PROFILES)}, auto (or pass --profile)")
+    return profile
+
+
+@contextlib.contextmanager
+def _target_imports():
+    """Let the target import what lies next to it, as ``python file.py`` or ``-m`` would; undo
+    it afterwards (sys.path and the module registered for a file target)."""
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if name.startswith("_fusion_compiler_target"):
+                del sys.modules[name]
+
+
+def load_factory(target: str):
+    """(factory, where) for TARGET; ``where`` names it for messages, e.g. 'llama.py:make'."""
+    spec, sep, name = target.rpartition(":")
+    if not sep:
+        spec, name = target, DEFAULT_FACTORY
+    if not spec or not name:
+        raise DumpError(f"TARGET {target!r} is incomplete; {USAGE_HINT}")
+    is_file = spec.endswith(".py") or "/" in spec or os.sep in spec or os.path.isfile(spec)
+    module = _load_file(spec) if is_file else _import_module(spec)
+    where = f"{spec}:{name}"
+    factory = getattr(module, name, None)
+    if factory is None:
+        defined = [k for k, v in vars(module).items()
+                   if inspect.isfunction(v) and v.__module__ == module.__name__]
+        there = f" (functions there: {', '.join(defined[:6])})" if defined else ""
+        what = (f"define {DEFAULT_FACTORY}(device, dtype) returning (model, example_inputs), "
+                f"or name the factory as {spec}:FACTORY" if not sep else "check the name")
+        raise DumpError(f"{spec} has no {name!r}{there}; {what}")
+    if not callable(factory):
+        raise DumpError(f"{where} is a {type(factory).__name__}, not a function; name a factory "
+                        "that returns (model, example_inputs)")
+    return factory, where
+
+
+def _load_file(path: str):
+    p = Path(path)
+    if not p.exists():
+        raise DumpError(f"no such file: {path}; {USAGE_HINT}")
+    if not p.is_file() or p.suffix != ".py":
+        raise DumpError(f"{path} is not a Python file; {USAGE_HINT}")
+    sys.path.insert(0, str(p.resolve().parent))        # its sibling modules import
+    name = "_fusion_compiler_target_" + "".join(c if c.isalnum() else "_" for c in p.stem)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, p))
+    sys.modules[name] = module                          # dataclasses and pickle look it up
+    try:
+        module.__spec__.loader.exec_module(module)
+    except Exception as exc:
+        raise DumpError(f"running {path} failed: {_describe(exc)}; fix the file "
+                        "(--debug shows the traceback)") from exc
+    return module
+
+
+def _import_module(name: str):
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise DumpError(f"{name!r} is neither a .py file nor a module name; {USAGE_HINT}")
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise DumpError(f"no module named {exc.name!r}; run from the folder that holds it, "
+                            "set PYTHONPATH, or give a path/to/file.py") from exc
+        raise DumpError(f"importing {name} failed: {_describe(exc)}") from exc
+    except Exception as exc:
+        raise DumpError(f"importing {name} failed: {_describe(exc)}; fix the module "
+                        "(--debug shows the traceback)") from exc
+
+
+def call_factory(factory, where: str, device: str, dtype):
+    """(model, inputs tuple, kwargs given): call the factory with the options it takes."""
+    import torch
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def takes(name):
+        return takes_all or name in params and params[name].kind is not params[name].POSITIONAL_ONLY
+
+    kwargs = {"device": device} if takes("device") else {}
+    if dtype is not None:
+        if not takes("dtype"):
+            raise DumpError(f"--dtype {dtype}: {where} takes no dtype argument; drop --dtype or "
+                            "add a dtype parameter to the factory")
+        kwargs["dtype"] = getattr(torch, dtype)
+    if params:
+        try:
+            inspect.signature(factory).bind(**kwargs)
+        except TypeError as exc:
+            raise DumpError(f"cannot call {where}({', '.join(kwargs)}): {exc}; give its other "
+                            "parameters defaults") from None
+    try:
+        result = factory(**kwargs)
+    except Exception as exc:
+        raise DumpError(f"{where} raised {_describe(exc)} (--debug shows the traceback)") from exc
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = (f"a {type(result).__name__} of {len(result)}" if isinstance(result, (tuple, list))
+               else f"a {type(result).__name__}")
+        raise DumpError(f"{where} returned {got}; it must return (model, example_inputs)")
+    model, inputs = result
+    if not callable(model):
+        raise DumpError(f"{where} returned a {type(model).__name__} as the model; it must be an "
+                        "nn.Module or a function")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise DumpError(f"{where} returned {type(inputs).__name__} as example_inputs; give a "
+                        "tuple or list of inputs (or one tensor)")
+    return model, tuple(inputs), {k: str(v).replace("torch.", "") for k, v in kwargs.items()}
+
+
+def _explain(model, inputs, args, profile, where):
+    import torch
+
+    from .explain import explain
+
+    if isinstance(model, torch.nn.Module):
+        model.train(args.training)          # inference dumps see dropout etc. as in eval()
+    try:
+        return explain(model, *inputs, dynamic=args.dynamic, training=args.training,
+                       profile=profile, code=args.code)
+    except Exception as exc:
+        raise DumpError(f"compiling the model of {where} failed: {_describe(exc)} "
+                        "(--debug shows the traceback)", status=1) from exc
+
+
+def document(target, where, options, kwargs, summaries) -> dict:
+    """The dump as plain JSON data (schema ``fusion-compiler.dump/1``, docs/dump-format.md)."""
+    from . import __version__
+
+    graphs = []
+    for i, s in enumerate(summaries):
+        s = dict(s, index=i)
+        kernels = [dict(k) for k in s.get("kernels", [])]
+        if options["code"]:
+            for k in kernels:
+                k["source"] = _read(k.get("path"))
+        s["kernels"] = kernels
+        graphs.append(s)
+    return plain({"schema": SCHEMA, "version": __version__, "target": target, "factory": where,
+                  "options": options, "factory_kwargs": kwargs, "graphs": graphs})
+
+
+def _read(path):
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, TypeError):
+        return None
+
+
+def plain(obj):
+    """``obj`` as JSON data: dicts, lists, str, int, finite float, bool, None."""
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj) if math.isfinite(float(obj)) else None
+    return str(obj)
+
+
+def _describe(exc: BaseException) -> str:
+    """'ValueError: first line of the message', at most 300 characters."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ class Config:
     # Generate kernel sources even where they will not run (CPU without the interpreter), so
     # `fusion-compiler dump --code` can show them.
     emit_sources: bool = False
-    # Cost model fallback device when no GPU is visible (see passes/cost_model.py).
-    profile: str = "h200"
+    # Cost model device profile: a name from passes/cost_model.PROFILES, or "auto" (the stored
+    # calibration of the visible GPU, else its model's defaults; h200 numbers without a GPU).
+    profile: str = "auto"
 
     @staticmethod
     def from_env(env=None) -> "Config":

@@ -37,7 +37,34 @@ def profile_named(name: str) -> DeviceProfile:
     try:
         return PROFILES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(PROFILES)}") from None
+        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(PROFILES)}, "
+                         "auto") from None
+
+
+def resolve_profile(name: str, cache_dir) -> DeviceProfile:
+    """``name`` from PROFILES, or "auto": the calibrated profile of the visible GPU if one was
+    stored (`fusion-compiler calibrate`), else the defaults of its model, else "generic"."""
+    if name.lower() != "auto":
+        return profile_named(name)
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return PROFILES["h200"]
+    gpu = torch.cuda.get_device_name()
+    from ..calibrate import profile_path
+
+    path = profile_path(cache_dir, gpu)
+    if path.exists():
+        try:
+            return DeviceProfile(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass    # a damaged profile: fall back to the defaults below
+    for key in ("h200", "h100", "a100", "l4"):
+        if key in gpu.lower():
+            return PROFILES[key]
+    return PROFILES["generic"]
 
 
 @dataclass(frozen=True)

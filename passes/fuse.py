@@ -33,6 +33,7 @@ from ..codegen.kernel_ir import NotFusable, build_kernel_ir
 from ..codegen.lower import Lowering
 from .classify import OpKind
 from .cost_model import kernel_cost
+from .shapes import hint
 
 TRANSPARENT = {OpKind.VIEW, OpKind.BROADCAST}
 DATA = {OpKind.POINTWISE, OpKind.INJECTIVE, OpKind.REDUCTION}
@@ -119,8 +120,32 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     group.outputs = sorted((m for m in members
                             if any(c not in members for c in view.consumers(m))),
                            key=view.order.__getitem__)
-    group.cost = kernel_cost(group.inputs, group.outputs, 1, (), ctx.size_hints, ctx.profile)
+    passes, row_inputs = _looped_passes(group, view, ctx)
+    group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
+                             ctx.profile)
     return group
+
+
+def _looped_passes(group: FusionGroup, view: GraphView, ctx):
+    """(passes over each row, inputs re-read on every pass) of a looped row kernel.
+
+    A row too long for registers is streamed once per reduction level and once more for the
+    per-element outputs: a softmax over a long row reads its input three times."""
+    reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
+    if not reductions:
+        return 1, ()
+    src = reductions[0].args[0].meta["fc_tensor"]
+    n = hint(src.shape[-1], ctx.size_hints)
+    if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
+        return 1, ()
+    level = {}
+    for m in sorted(group.members, key=view.order.__getitem__):
+        up = [level[s] for s in view.sources(m, set()) if s in level]
+        level[m] = max(up, default=0) + (1 if m in reductions else 0)
+    passes = max(level[r] for r in reductions) + 1
+    row_numel = hint(src.numel, ctx.size_hints)
+    row_inputs = {i for i in group.inputs if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel}
+    return passes, row_inputs
 
 
 def check_legal(group: FusionGroup, ctx) -> None:

@@ -1,0 +1,135 @@
+"""Cost model and priority fusion on small graphs: numbers checked by hand, order, vetoes.
+
+The graphs are analysed only (shapes -> classify -> fuse); no kernel runs, so sizes can be
+large where the bytes must dominate the launch overhead.
+"""
+import dataclasses
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from fusion_compiler.backend import make_context
+from fusion_compiler.config import Config
+from fusion_compiler.decompositions import decomposition_table
+from fusion_compiler.passes import pipeline
+from fusion_compiler.passes.cost_model import PROFILES
+
+H200 = PROFILES["h200"]
+
+
+def analyze(fn, *args, **config):
+    """Run the analysis passes on the inference ATen graph of ``fn``; return the context."""
+    contexts = []
+    cfg = dataclasses.replace(Config.from_env(), profile="h200", **config)
+
+    def compiler(gm, _inputs):
+        ctx = make_context(cfg, "inference")
+        pipeline.analyze(gm, ctx)
+        contexts.append(ctx)
+        return gm
+
+    backend = aot_autograd(fw_compiler=compiler, decompositions=decomposition_table())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert len(contexts) == 1
+    return contexts[0]
+
+
+def ops_of(group):
+    return sorted(str(n.target).split(".")[1] for n in group.members)
+
+
+def test_bytes_and_launches_of_a_pointwise_chain():
+    x = torch.randn(1000)
+    ctx = analyze(lambda t: (t + 1.0) * 2.0, x)
+    (g,) = ctx.groups
+    assert ops_of(g) == ["add", "mul"]
+    # unfused: add reads 4000 B, writes 4000 B; mul the same; fused: read x once, write once
+    unfused = [ctx.unfused_cost[n] for n in g.members]
+    assert sum(c.bytes for c in unfused) == 16000 and len(unfused) == 2
+    assert g.cost.bytes_read == 4000 and g.cost.bytes_written == 4000
+    assert abs(g.cost.time - (H200.launch_overhead + 8000 / H200.hbm_bandwidth)) < 1e-15
+
+
+def test_bytes_of_add_rmsnorm_count_the_broadcast_weight_at_its_own_size():
+    from patterns import add_rmsnorm
+    x, r, w = torch.randn(7, 41), torch.randn(7, 41), torch.randn(41)
+    ctx = analyze(add_rmsnorm, x, r, w)
+    (g,) = ctx.groups
+    # reads x, r (7*41*4 B each) and w (41*4 B); writes normed and h (7*41*4 B each)
+    assert g.cost.bytes_read == 2 * 7 * 41 * 4 + 41 * 4
+    assert g.cost.bytes_written == 2 * 7 * 41 * 4
+
+
+def test_looped_reduction_counts_each_pass_over_the_row():
+    x = torch.randn(8, 4096)
+    ctx = analyze(lambda t: torch.softmax(t, -1), x, max_persistent_block=1024)
+    (g,) = ctx.groups
+    # max pass, sum pass, output pass: the row is read three times
+    assert g.cost.bytes_read == 3 * 8 * 4096 * 4
+    assert g.cost.bytes_written == 8 * 4096 * 4
+
+
+def test_unprofitable_merge_is_refused_for_that_reason():
+    """A looped softmax reads its input three times; fusing a producer with three big inputs
+    into it would read those three times instead of writing and reading one tensor once."""
+    a, b, c = (torch.randn(4096, 4096) for _ in range(3))
+    ctx = analyze(lambda a, b, c: torch.softmax(a * b + c, -1), a, b, c, max_persistent_block=1024)
+    groups = sorted(ops_of(g) for g in ctx.groups)
+    assert ["add", "mul"] in groups, groups            # the producer stays its own kernel
+    refused = [d for d in ctx.decisions if not d["taken"] and d["reason"].startswith("unprofitable")]
+    assert any(d["bytes_after"] > d["bytes_before"] for d in refused), ctx.decisions
+
+
+def test_higher_score_merge_is_taken_first():
+    big, small = torch.randn(2048, 1024), torch.randn(64)
+    ctx = analyze(lambda x, y: ((x + 1.0) * 2.0, (y + 1.0) * 2.0), big, small)
+    taken = [d for d in ctx.decisions if d["taken"]]
+    assert len(taken) == 2
+    assert taken[0]["score_us"] > taken[1]["score_us"]
+    assert taken[0]["bytes_before"] > taken[1]["bytes_before"]     # the big chain first
+
+
+def test_cycle_through_an_aten_op_is_vetoed():
+    # p feeds c directly and through a matmul (ATen): fusing p and c would need the matmul
+    # inside the kernel
+    x, w = torch.randn(16, 16), torch.randn(16, 16)
+
+    def fn(x, w):
+        p = torch.exp(x)
+        return p + p @ w
+    ctx = analyze(fn, x, w)
+    reasons = [d["reason"] for d in ctx.decisions if not d["taken"]]
+    assert any(r.startswith("cycle") for r in reasons), ctx.decisions
+    assert len(ctx.groups) == 2
+
+
+def test_mismatched_iteration_spaces_are_vetoed():
+    x = torch.randn(8, 16)
+
+    def fn(x):
+        m = x.amax(-1, keepdim=True)
+        return (x - m).t().contiguous().sum(-1)       # second reduction over [16, 8]
+    ctx = analyze(fn, x)
+    refused = [d["reason"] for d in ctx.decisions if not d["taken"]]
+    assert any("reduction" in r for r in refused), refused
+    reductions = [n for g in ctx.groups for n in g.members if "amax" in str(n.target) or "sum" in str(n.target)]
+    assert len(reductions) == len(set(reductions)) == 2      # each reduction in exactly one group
+
+
+def test_group_size_limit_is_a_veto():
+    x = torch.randn(100)
+    ctx = analyze(lambda t: (((t + 1.0) * 2.0 - 3.0) / 4.0).exp(), x, max_group_ops=2)
+    assert all(len(g.members) <= 2 for g in ctx.groups)
+    assert any("max_group_ops" in d["reason"] for d in ctx.decisions if not d["taken"])
+
+
+def test_every_decision_has_numbers_and_a_reason():
+    from patterns import add_layernorm
+    args = (torch.randn(7, 41), torch.randn(7, 41), torch.randn(41), torch.randn(41))
+    ctx = analyze(add_layernorm, *args)
+    assert ctx.decisions
+    for d in ctx.decisions:
+        assert d["reason"] and isinstance(d["score_us"], float)
+        assert d["bytes_before"] > 0 and d["bytes_after"] > 0
