@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import numbers
 import os
@@ -80,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:           # usage errors (status 2), --help (0): a status to return
+        return exc.code
     if args.version:
         from . import __version__
         print(__version__)
@@ -96,13 +100,23 @@ def main(argv=None) -> int:
             except OSError as exc:
                 raise DumpError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
         else:
-            sys.stdout.write(text)
-    except DumpError as exc:
+            _write_stdout(text)
+    except Exception as exc:            # noqa: BLE001 - every error is one line without --debug
         if args.debug:
-            traceback.print_exception(exc.__cause__ or exc)
-        print(f"fusion-compiler: error: {exc}", file=sys.stderr)
-        return exc.status
+            traceback.print_exception(exc)      # with the error that caused it, if any
+        message = str(exc) if isinstance(exc, DumpError) else (
+            f"internal error, please report it: {_describe(exc)} (--debug shows the traceback)")
+        print(f"fusion-compiler: error: {message}", file=sys.stderr)
+        return getattr(exc, "status", 1)
     return 0
+
+
+def _write_stdout(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:             # `fusion-compiler dump ... | head`: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def dump(args) -> str:
@@ -260,9 +274,10 @@ def call_factory(factory, where: str, device: str, dtype):
     except Exception as exc:
         raise DumpError(f"{where} raised {_describe(exc)} (--debug shows the traceback)") from exc
     if not isinstance(result, (tuple, list)) or len(result) != 2:
-        got = (f"a {type(result).__name__} of {len(result)}" if isinstance(result, (tuple, list))
-               else f"a {type(result).__name__}")
-        raise DumpError(f"{where} returned {got}; it must return (model, example_inputs)")
+        got = type(result).__name__
+        got += f" of length {len(result)}" if isinstance(result, (tuple, list)) else ""
+        raise DumpError(f"{where} returned a value of type {got}; it must return "
+                        "(model, example_inputs)")
     model, inputs = result
     if not callable(model):
         raise DumpError(f"{where} returned a {type(model).__name__} as the model; it must be an "
@@ -283,11 +298,34 @@ def _explain(model, inputs, args, profile, where):
     if isinstance(model, torch.nn.Module):
         model.train(args.training)          # inference dumps see dropout etc. as in eval()
     try:
-        return explain(model, *inputs, dynamic=args.dynamic, training=args.training,
-                       profile=profile, code=args.code)
+        with contextlib.nullcontext() if args.debug else _quiet_torch_logs():
+            return explain(model, *inputs, dynamic=args.dynamic, training=args.training,
+                           profile=profile, code=args.code)
     except Exception as exc:
-        raise DumpError(f"compiling the model of {where} failed: {_describe(exc)} "
+        if args.training and isinstance(exc, ValueError) and "requires grad" in str(exc):
+            raise DumpError(f"--training: no output of the model of {where} requires grad; "
+                            "give it trainable parameters or drop --training") from exc
+        root = exc
+        while (root.__cause__ or root.__context__) is not None:   # dynamo wraps the error
+            root = root.__cause__ or root.__context__             # that says what happened
+        raise DumpError(f"compiling the model of {where} failed: {_describe(root)} "
                         "(--debug shows the traceback)", status=1) from exc
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Keep torch's own error logs (tracebacks) off stderr: the error is our one line."""
+    handlers = {h for name, lg in logging.root.manager.loggerDict.items()
+                if (name == "torch" or name.startswith("torch.")) and isinstance(lg, logging.Logger)
+                for h in lg.handlers}
+    drop = lambda record: record.levelno >= logging.CRITICAL  # noqa: E731
+    for h in handlers:
+        h.addFilter(drop)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(drop)
 
 
 def document(target, where, options, kwargs, summaries) -> dict:
