@@ -69,37 +69,32 @@ def _devices(gm) -> set:
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
-    """Run the pipeline on one ATen graph; return what aot_autograd should call."""
-    from .passes import pipeline
+    """Run the pipeline on one ATen graph; return what aot_autograd should call.
 
+    An unexpected error in the compiler never stops a model that eager PyTorch runs: the graph
+    runs on ATen unfused, with a warning (or the error is raised with FUSION_COMPILER_STRICT=1),
+    and the report says what happened."""
     global _said_cpu
     ctx = make_context(config, kind)
     report = GraphReport(kind=kind, ran_kernels=False, nodes_before=len(gm.graph.nodes))
-    if "cuda" not in _devices(gm) and not ctx.run_on_cpu:
-        if not _said_cpu:
-            log.info("fusion-compiler: CPU tensors run the ATen graph unfused "
-                     "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU)")
-            _said_cpu = True
-        pipeline.analyze(gm, ctx)
-        if config.emit_sources:
-            from .passes import generate
-            generate.run(gm, ctx)
-            report.kernels = ctx.kernels
-        report.decisions = ctx.decisions
-        report.aten_ops = aten_compute_ops(gm)
-        report.summary = summarize(gm, ctx)
-        publish(report)
-        return gm
+    runs_kernels = "cuda" in _devices(gm) or ctx.run_on_cpu
+    if not runs_kernels and not _said_cpu:
+        log.info("fusion-compiler: CPU tensors run the ATen graph unfused "
+                 "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU)")
+        _said_cpu = True
     try:
-        new_gm = pipeline.compile_graph(gm, ctx)
+        new_gm = _run_passes(gm, ctx, runs_kernels)
     except Exception as exc:
         if config.strict:
             raise
         log.warning("fusion-compiler: compiling the %s graph failed (%s: %s); running it on ATen "
                     "unfused. Set FUSION_COMPILER_STRICT=1 to raise instead.", kind,
                     type(exc).__name__, exc)
+        report.error = f"{type(exc).__name__}: {exc}"
+        report.aten_ops = aten_compute_ops(gm)
+        publish(report)
         return gm
-    report.ran_kernels = True
+    report.ran_kernels = runs_kernels
     report.kernels = ctx.kernels
     report.aten_ops = aten_compute_ops(new_gm)
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)
@@ -108,6 +103,17 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     report.summary = summarize(gm, ctx)
     publish(report)
     return new_gm
+
+
+def _run_passes(gm, ctx, runs_kernels: bool):
+    from .passes import generate, pipeline
+
+    if runs_kernels:
+        return pipeline.compile_graph(gm, ctx)
+    pipeline.analyze(gm, ctx)              # the decisions, for reports and `dump`
+    if ctx.config.emit_sources:
+        generate.run(gm, ctx)              # sources for `dump --code`; nothing launches them
+    return gm
 
 
 def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):

@@ -23,6 +23,7 @@ class GraphReport:
     decisions: list = field(default_factory=list)
     nodes_before: int = 0
     summary: dict = field(default_factory=dict)   # fusion_compiler.summary.summarize
+    error: str = ""                                # the compiler failed: the graph ran on ATen
 
     @property
     def num_kernels(self) -> int:

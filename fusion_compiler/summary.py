@@ -5,6 +5,8 @@ Built from the compile context after the passes ran; every number comes from the
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .passes.classify import OpKind
@@ -74,9 +76,12 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
             after_time, after_bytes = after_time + ut, after_bytes + ub
     aten = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n in in_groups or "fc_tensor" not in n.meta:
+        if n.op != "call_function" or n in in_groups or n.target is operator.getitem:
             continue
-        if n.meta.get("fc_kind") in (OpKind.VIEW, OpKind.BROADCAST):
+        val = n.meta.get("val")
+        produces_tensor = isinstance(val, torch.Tensor) or (
+            isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+        if not produces_tensor or n.meta.get("fc_kind") in (OpKind.VIEW, OpKind.BROADCAST):
             continue
         aten.append({"node": n.name, "op": _short(n.target), "reason": aten_reason(n)})
     refused = [d for d in ctx.decisions if not d["taken"]]

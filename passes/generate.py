@@ -39,10 +39,29 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 
 
 def label(group) -> str:
-    """Short name of what a group computes, from its ops."""
-    targets = {str(n.target).split(".")[1] for n in group.members}
-    if "amax" in targets and "exp" in targets:
-        return "softmax"
-    if "mean" in targets or "sum" in targets or "amax" in targets:
-        return "row reduction"
-    return "pointwise"
+    """Short name of what a group computes, read off its ops (for people, not for decisions)."""
+    ops = {str(n.target).split(".")[1] for n in group.members}
+    out_dtypes = {n.meta["fc_tensor"].dtype for n in group.members}
+    in_dtypes = {n.meta["fc_tensor"].dtype for n in group.inputs}
+    fp8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+    reductions = sum(1 for n in group.members if str(n.target).split(".")[1] in ("mean", "sum"))
+    parts = []
+    if {"amax", "exp", "sum"} <= ops:
+        parts.append("softmax")
+    elif "rsqrt" in ops and reductions:
+        parts.append("layernorm" if reductions >= 2 else "rmsnorm")  # mean and variance vs mean square
+    if "cat" in ops and "neg" in ops:
+        parts.append("rope")
+    if "sigmoid" in ops and "mul" in ops:
+        parts.append("swiglu")
+    if "erf" in ops or "tanh" in ops:
+        parts.append("gelu")
+    if out_dtypes & fp8:
+        parts.append("quant")
+    if in_dtypes & ({torch.int8, torch.uint8} | fp8) and not out_dtypes & fp8:
+        parts.append("dequant")
+    if not parts and ops & {"mean", "sum", "amax", "amin"}:
+        parts.append("reduction")
+    if not parts:
+        parts.append("residual" if ops <= {"add"} else "pointwise")
+    return "+".join(parts)

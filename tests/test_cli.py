@@ -194,9 +194,9 @@ def test_table_shows_llama_groups_aten_ops_refusals_and_totals(capsys):
     assert rc == 0, err
     assert re.search(r"== graph 0: inference \(profile \w+", out)
     rows = [ln for ln in out.splitlines() if re.match(r"\s+#\d+", ln)]
-    rmsnorm = [r for r in rows if "row reduction" in r and "mean" in r and "rsqrt" in r]
-    rope = [r for r in rows if "pointwise" in r and "neg, cat" in r]
-    swiglu = [r for r in rows if "pointwise" in r and "sigmoid, mul x2" in r]
+    rmsnorm = [r for r in rows if " rmsnorm " in r and "mean" in r and "rsqrt" in r]
+    rope = [r for r in rows if " rope " in r and "neg, cat" in r]
+    swiglu = [r for r in rows if " swiglu " in r and "sigmoid, mul x2" in r]
     # 2 layers: 2 RMSNorms each + the final one; RoPE of q and k per layer; one SwiGLU per layer
     assert (len(rmsnorm), len(rope), len(swiglu)) == (5, 4, 2), "\n".join(rows)
     assert re.search(r"\d KB -> \d+(\.\d+)? KB", rmsnorm[0]) and " us" in rmsnorm[0]
@@ -251,7 +251,7 @@ def test_html_is_one_self_contained_file_with_an_svg(capsys, tmp_path):
     for svg in svgs:
         root = ET.fromstring(svg)                   # well-formed
         assert len(root.findall(".//rect")) > 10
-    assert "row reduction" in page and "left on ATen" in page
+    assert "rmsnorm" in page and "left on ATen" in page
 
 
 def test_code_prints_kernel_sources(capsys):
