@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--code", action="store_true", help="also show each generated kernel's source")
     d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     d.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    c = sub.add_parser(
+        "calibrate", help="measure this GPU for the cost model and store the profile",
+        description="Measure copy bandwidth, kernel launch overhead and matmul rate on the "
+                    "visible GPU and store them; later compiles with FUSION_COMPILER_PROFILE=auto "
+                    "(the default) on a GPU of that name use them. Needs a CUDA GPU.")
+    c.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     return parser
 
 
@@ -89,6 +95,8 @@ def main(argv=None) -> int:
         from . import __version__
         print(__version__)
         return 0
+    if args.command == "calibrate":
+        return calibrate_command(args)
     if args.command != "dump":
         parser.print_help()
         return 0
@@ -108,6 +116,29 @@ def main(argv=None) -> int:
             f"internal error, please report it: {_describe(exc)} (--debug shows the traceback)")
         print(f"fusion-compiler: error: {message}", file=sys.stderr)
         return getattr(exc, "status", 1)
+    return 0
+
+
+def calibrate_command(args) -> int:
+    import torch
+
+    from .calibrate import calibrate
+    from .config import Config
+
+    if not torch.cuda.is_available():
+        print("fusion-compiler: error: calibrate measures a CUDA GPU and none is visible; "
+              "run it on the machine the models will run on", file=sys.stderr)
+        return 2
+    try:
+        profile, path = calibrate(Config.from_env().cache_dir)
+    except Exception as exc:        # noqa: BLE001 - one line unless --debug
+        if args.debug:
+            traceback.print_exception(exc)
+        print(f"fusion-compiler: error: calibration failed: {_describe(exc)}", file=sys.stderr)
+        return 1
+    print(f"{profile.name}: copy bandwidth {profile.hbm_bandwidth / 1e12:.2f} TB/s, launch "
+          f"overhead {profile.launch_overhead * 1e6:.2f} us, peak {profile.peak_flops / 1e12:.1f} "
+          f"TFLOP/s (fp32 vector estimate)\nstored in {path}")
     return 0
 
 

@@ -357,3 +357,10 @@ def test_debug_shows_the_traceback(capsys, tiny):
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == __import__("fusion_compiler").__version__
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU is visible: calibration would run")
+def test_calibrate_without_a_gpu_says_so(capsys):
+    assert main(["calibrate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "calibrate measures a CUDA GPU" in err[0]
