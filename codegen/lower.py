@@ -150,7 +150,7 @@ class Lowering:
         self.phases[-1].reductions.append((res, kind, self._name("acc"), src))
         out = res
         if kind == "mean" or dtype != torch.float32:
-            expr = f"tl.math.div_rn({res.name}, N * 1.0)" if kind == "mean" else res.name
+            expr = f"({res.name} / (N * 1.0))" if kind == "mean" else res.name
             out = Var(self._name("v"), dtype, False)
             self.pending.append(("assign", out, ops.cast(expr, torch.float32, dtype)))
         self.memo[("red", vid)] = out

@@ -118,9 +118,11 @@ def _render_kernel(lk: LoweredKernel, name: str):
         want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
         dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
-        value = (f"fl.store_fp8e4m3({var.name})" if dtype == torch.float8_e4m3fn
-                 else f"{var.name}.to({ops.TL_DTYPE[dtype]})")
+        value = _store_value(var.name, defs.get(var.name, ""), dtype)
         return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask_of(want, ())})"]
+
+    defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
+            if st[0] == "assign"}
 
     def stmt_lines(stmt):
         kind = stmt[0]
@@ -173,6 +175,33 @@ def _render_kernel(lk: LoweredKernel, name: str):
     sig = "\n".join("    " + p for p in params)
     src = f"@triton.jit(do_not_specialize=[{nospec}])\ndef {name}(\n{sig}\n):\n{code}"
     return src, size_args
+
+
+_STORE_FN = {torch.bfloat16: ("fl.round_bf16(", "fl.store_bf16("),
+             torch.float8_e4m3fn: ("fl.round_fp8e4m3(", "fl.store_fp8e4m3(")}
+
+
+def _store_value(name: str, definition: str, dtype) -> str:
+    """The value to store for register ``name`` of ``dtype``. A value that was just rounded to
+    its storage type is stored from the unrounded expression, so the kernel converts once."""
+    if dtype in _STORE_FN:
+        round_fn, store_fn = _STORE_FN[dtype]
+        if definition.startswith(round_fn) and _call_spans(definition, len(round_fn) - 1):
+            return store_fn + definition[len(round_fn):]
+        if dtype == torch.float8_e4m3fn:
+            return f"{store_fn}{name}, {ops.FP8_SATURATES})"
+        return f"{store_fn}{name})"
+    return f"{name}.to({ops.TL_DTYPE[dtype]})"
+
+
+def _call_spans(expr: str, open_at: int) -> bool:
+    """True if the parenthesis at ``open_at`` closes at the end of ``expr``."""
+    depth = 0
+    for i in range(open_at, len(expr)):
+        depth += {"(": 1, ")": -1}.get(expr[i], 0)
+        if depth == 0:
+            return i == len(expr) - 1
+    return False
 
 
 def _all_stores(lk):

@@ -60,7 +60,15 @@ if INTERPRET:
         return tl.where(x != x, x, r)
 
     @triton.jit
-    def store_fp8e4m3(r):
+    def store_bf16(x):
+        return round_bf16(x).to(tl.bfloat16)
+
+    @triton.jit
+    def store_fp8e4m3(x, SATURATE: tl.constexpr):
+        return _encode_fp8e4m3(round_fp8e4m3(x, SATURATE))
+
+    @triton.jit
+    def _encode_fp8e4m3(r):
         """Exactly representable fp32 -> e4m3fn, encoded by hand (the interpreter's conversion
         mangles NaN and signed zero)."""
         bits = r.to(tl.uint32, bitcast=True)
@@ -101,9 +109,16 @@ else:
     def round_bf16(x):
         return x.to(tl.bfloat16).to(tl.float32)
 
+    # stores convert once from the unrounded value: round-to-nearest-even, as round_* do
     @triton.jit
-    def store_fp8e4m3(r):
-        return r.to(tl.float8e4nv)
+    def store_bf16(x):
+        return x.to(tl.bfloat16)
+
+    @triton.jit
+    def store_fp8e4m3(x, SATURATE: tl.constexpr):
+        if not SATURATE:
+            x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
+        return x.to(tl.float8e4nv)
 
     @triton.jit
     def round_fp8e4m3(x, SATURATE: tl.constexpr):
