@@ -266,9 +266,10 @@ class Lowering:
         if t in ops.CASTS or t == "aten.copy.default":
             src = tensors[-1]
             return self._assign(ops.cast(src.name, src.dtype, out.dtype), out.dtype, row_level, t)
-        if t in ops.LOGICAL:
+        if t in ops.LOGICAL or (out.dtype == torch.bool and t in ops.BOOL_BITWISE):
+            fn = ops.LOGICAL.get(t) or ops.LOGICAL[ops.BOOL_BITWISE[t]]
             names = [p.name if isinstance(p, Var) else ops.literal(p, torch.float32) for p in printed]
-            return self._assign(ops.LOGICAL[t](names), torch.bool, row_level, t)
+            return self._assign(fn(names), torch.bool, row_level, t)
         if t == "aten.where.self":
             c, a, b = printed
             ct = out.dtype

@@ -157,6 +157,10 @@ LOGICAL = {
     "aten.isnan.default": lambda a: f"({a[0]} != {a[0]})",
     "aten.isinf.default": lambda a: f"(tl.abs({a[0]}) == float(\"inf\"))",
 }
+# bitwise ops on bool tensors are the logical ones
+BOOL_BITWISE = {"aten.bitwise_and.Tensor": "aten.logical_and.default",
+                "aten.bitwise_or.Tensor": "aten.logical_or.default",
+                "aten.bitwise_not.default": "aten.logical_not.default"}
 # Ops that only change the dtype (or nothing): the value is the operand's, cast.
 CASTS = {"aten.clone.default", "aten._to_copy.default", "prims.convert_element_type.default",
          "aten.alias.default", "aten.detach.default"}

@@ -53,6 +53,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
     in_groups = set()
     for g in ctx.groups:
         unfused = [ctx.unfused_cost[n] for n in g.members]
+        # an op recomputed in several groups counts once in the unfused totals
+        fresh = [ctx.unfused_cost[n] for n in g.members if n not in in_groups]
         ub = sum(c.bytes for c in unfused)
         ut = sum(c.time for c in unfused)
         generated = g.id in ctx.launchers or (not ctx.launchers and g.ir is not None and not g.error)
@@ -67,9 +69,11 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
             "time_unfused_us": ut * 1e6, "time_fused_us": g.cost.time * 1e6,
             "time_saved_us": (ut - g.cost.time) * 1e6,
             "kernel": bool(generated), "why_not": g.error,
+            "recomputed": sorted(n.name for n in g.recomputed),
         })
         in_groups.update(g.members)
-        before_time, before_bytes = before_time + ut, before_bytes + ub
+        before_time += sum(c.time for c in fresh)
+        before_bytes += sum(c.bytes for c in fresh)
         if generated:
             after_time, after_bytes = after_time + g.cost.time, after_bytes + g.cost.bytes
         else:
@@ -94,8 +98,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "kind": ctx.kind, "profile": ctx.profile.name, "groups": groups, "aten_ops": aten,
         "refused": refused, "edges": edges,
         "totals": {
-            "fusible_ops": sum(len(g["ops"]) for g in groups),
-            "kernels_before": sum(len(g["ops"]) for g in groups),
+            "fusible_ops": len(in_groups),
+            "kernels_before": len(in_groups),
             "kernels_after": kernels_after,
             "aten_ops": len(aten),
             "bytes_before": before_bytes, "bytes_after": after_bytes,

@@ -51,6 +51,7 @@ class FusionGroup:
     ir: object = None                             # KernelIR once legal
     graph_symbols: tuple = ()
     error: str = ""                               # why it cannot be a kernel (if so)
+    recomputed: frozenset = frozenset()           # members also computed in other groups
 
     @property
     def n_ops(self) -> int:
@@ -117,8 +118,9 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
             visit(a)
     group.nodes = sorted(nodes, key=view.order.__getitem__)
     group.inputs = sorted(inputs, key=view.order.__getitem__)
-    group.outputs = sorted((m for m in members
-                            if any(c not in members for c in view.consumers(m))),
+    # a recomputed member is computed again by every group that reads it: never written
+    group.outputs = sorted((m for m in members if m not in group.recomputed
+                            and any(c not in members for c in view.consumers(m))),
                            key=view.order.__getitem__)
     passes, row_inputs = _looped_passes(group, view, ctx)
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
@@ -181,23 +183,48 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             if p is not None and p != c:
                 succ[p].add(c)
                 pred[c].add(p)
-    heap, refused, seq = [], set(), itertools.count()
+    heap, refused, seq, tried_recompute = [], set(), itertools.count(), set()
 
     def push(p, c):
-        merged = analyze(FusionGroup(-1, groups[p].members | groups[c].members), view, ctx)
+        merged = analyze(FusionGroup(-1, groups[p].members | groups[c].members,
+                                     recomputed=groups[p].recomputed | groups[c].recomputed),
+                         view, ctx)
         score = groups[p].cost.time + groups[c].cost.time - merged.cost.time
         if score <= 0:
             ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
                                            "unprofitable: fused time is not lower"))
             return
-        heapq.heappush(heap, (-score, next(seq), p, c, merged))
+        heapq.heappush(heap, (-score, next(seq), (p, c), merged))
+
+    def push_recompute(p):
+        key = (p, frozenset(succ[p]))
+        if key in tried_recompute:
+            return
+        tried_recompute.add(key)
+        cand = _recompute_candidate(groups, p, succ[p], view, ctx)
+        if cand is not None:
+            heapq.heappush(heap, (-cand[0], next(seq), (p, tuple(sorted(succ[p]))), cand[1]))
 
     for p in list(succ):
         for c in sorted(succ[p]):
             push(p, c)
+        push_recompute(p)
     next_id = len(data)
     while heap:
-        neg_score, _, p, c, merged = heapq.heappop(heap)
+        neg_score, _, key, merged = heapq.heappop(heap)
+        p, c = key
+        if isinstance(c, tuple):     # recompute p inside each of its consumer groups c
+            if p not in groups or any(x not in groups for x in c) or set(c) != succ[p]:
+                continue
+            next_id, new_ids = _apply_recompute(p, c, merged, groups, group_of, succ, pred, unit,
+                                                next_id, ctx, -neg_score)
+            for m in new_ids:
+                for x in succ[m]:
+                    push(m, x)
+                for x in pred[m]:
+                    push(x, m)
+                    push_recompute(x)
+            continue
         if p not in groups or c not in groups or (p, c) in refused:
             continue    # a group merged since this candidate was scored
         try:
@@ -226,6 +253,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for x in pred[m]:
             succ[x] = (succ[x] - {p, c}) | {m}
             push(x, m)
+            push_recompute(x)
+        push_recompute(m)
     for g in groups.values():
         if g.ir is None:
             try:
@@ -238,10 +267,87 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
+def _recompute_candidate(groups, p, consumers, view, ctx):
+    """(score, [consumer u p ...]) for computing producer ``p`` again inside each consumer
+    group instead of writing its result, or None when that is not possible or does not pay.
+
+    Possible when p has no reduction (a reduction is never duplicated), at least two consumer
+    groups, and nothing else reads it (no ATen op, no graph output)."""
+    if len(consumers) < 2:
+        return None
+    prod = groups[p]
+    if any(view.kind[n] is OpKind.REDUCTION for n in prod.members):
+        return None
+    for m in prod.outputs:
+        if any(view.kind.get(c) not in DATA for c in view.consumers(m)):
+            return None
+    merged = [analyze(FusionGroup(-1, groups[c].members | prod.members,
+                                  recomputed=groups[c].recomputed | prod.members), view, ctx)
+              for c in sorted(consumers)]
+    score = prod.cost.time + sum(groups[c].cost.time for c in consumers) - sum(
+        g.cost.time for g in merged)
+    if score <= 0:
+        ctx.decisions.append({
+            "producer": sorted(n.name for n in prod.members),
+            "consumer": sorted(n.name for c in consumers for n in groups[c].members),
+            "score_us": score * 1e6, "taken": False, "kind": "recompute",
+            "bytes_before": prod.cost.bytes + sum(groups[c].cost.bytes for c in consumers),
+            "bytes_after": sum(g.cost.bytes for g in merged),
+            "reason": "unprofitable: recomputing in every consumer moves more than it saves"})
+        return None
+    return score, merged
+
+
+def _apply_recompute(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx,
+                     score):
+    """Replace producer group p by a copy of its ops inside each consumer (if all are legal)."""
+    prod = groups[p]
+    try:
+        for g in merged:
+            check_legal(g, ctx)
+    except NotFusable as exc:
+        ctx.decisions.append(_recompute_decision(prod, consumers, groups, merged, score, False,
+                                                 str(exc)))
+        return next_id, []
+    ctx.decisions.append(_recompute_decision(prod, consumers, groups, merged, score, True,
+                                             "recomputed in each consumer"))
+    producers = pred.pop(p, set())
+    succ.pop(p)
+    for x in producers:
+        succ[x].discard(p)
+    unit_preds = list(unit.predecessors(p))
+    unit.remove_node(p)
+    for c, g in zip(consumers, merged):
+        g.id = next_id
+        next_id += 1
+        for n in g.members:
+            group_of[n] = g.id
+        nx.relabel_nodes(unit, {c: g.id}, copy=False)
+        unit.add_edges_from((u, g.id) for u in unit_preds)
+        del groups[c]
+        groups[g.id] = g
+        succ[g.id] = succ.pop(c, set())
+        pred[g.id] = (pred.pop(c) - {p}) | producers
+        for x in succ[g.id]:
+            pred[x] = (pred[x] - {c}) | {g.id}
+        for x in pred[g.id]:
+            succ[x] = (succ[x] - {c}) | {g.id}
+    del groups[p]
+    return next_id, [g.id for g in merged]
+
+
+def _recompute_decision(prod, consumers, groups, merged, score, taken, reason):
+    return {"producer": sorted(n.name for n in prod.members),
+            "consumer": sorted(n.name for c in consumers for n in groups[c].members),
+            "score_us": score * 1e6, "kind": "recompute",
+            "bytes_before": prod.cost.bytes + sum(groups[c].cost.bytes for c in consumers),
+            "bytes_after": sum(g.cost.bytes for g in merged), "taken": taken, "reason": reason}
+
+
 def _decision(p, c, merged, score, taken, reason):
     return {"producer": [n.name for n in sorted(p.members, key=lambda n: n.name)],
             "consumer": [n.name for n in sorted(c.members, key=lambda n: n.name)],
-            "score_us": score * 1e6, "bytes_before": p.cost.bytes + c.cost.bytes,
+            "score_us": score * 1e6, "kind": "merge", "bytes_before": p.cost.bytes + c.cost.bytes,
             "bytes_after": merged.cost.bytes, "taken": taken, "reason": reason}
 
 

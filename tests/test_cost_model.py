@@ -133,3 +133,37 @@ def test_every_decision_has_numbers_and_a_reason():
     for d in ctx.decisions:
         assert d["reason"] and isinstance(d["score_us"], float)
         assert d["bytes_before"] > 0 and d["bytes_after"] > 0
+
+
+def recompute_case(x):
+    p = x.float() * 2.0                  # read by a row reduction and by a transposed product:
+    return p.sum(-1), p.t() * 3.0        # two kernels that cannot be one
+
+
+def test_cheap_producer_is_recomputed_in_each_consumer():
+    ctx = analyze(recompute_case, torch.randn(64, 48, dtype=torch.bfloat16))
+    taken = [d for d in ctx.decisions if d.get("kind") == "recompute" and d["taken"]]
+    assert taken and all(d["bytes_after"] < d["bytes_before"] for d in taken)
+    assert len(ctx.groups) == 2
+    for g in ctx.groups:                  # p is computed in both kernels and written by neither
+        assert {str(n.target).split(".")[1] for n in g.recomputed} & {"_to_copy", "mul"}
+        assert not any(n in g.recomputed for n in g.outputs)
+
+
+def test_recomputed_producer_runs_correctly(device):
+    from helpers import assert_close, compile_and_run, kernel_count
+    x = torch.randn(64, 48, dtype=torch.bfloat16, device=device)
+    out, reports = compile_and_run(recompute_case, (x,))
+    assert kernel_count(reports) == 2
+    for a, e in zip(out, recompute_case(x)):
+        assert_close(a, e)
+
+
+def test_producer_read_by_aten_is_not_recomputed():
+    x, w = torch.randn(16, 16), torch.randn(16, 16)
+
+    def fn(x, w):
+        p = x * 2.0
+        return p.sum(-1), p.t() * 3.0, p @ w      # the matmul needs p in memory
+    ctx = analyze(fn, x, w)
+    assert not [d for d in ctx.decisions if d.get("kind") == "recompute" and d["taken"]]

@@ -62,3 +62,12 @@ def test_nan_and_inf_propagate_through_reductions(op, device):
     out, reports = compile_and_run(lambda t: op(t * 2.0, dim=-1, keepdim=True) + 1.0, (x,))
     assert kernel_count(reports) == 1
     assert_close(out, op(x * 2.0, dim=-1, keepdim=True) + 1.0)
+
+
+def test_bool_logic_is_one_kernel(device):
+    def fn(a, b):
+        return (((a > 0) & (b > 0)) | ~(a < b)).float() * 2
+    a, b = torch.randn(7, 9, device=device), torch.randn(7, 9, device=device)
+    out, reports = compile_and_run(fn, (a, b))
+    assert kernel_count(reports) == 1
+    assert torch.equal(out, fn(a, b))
