@@ -255,6 +255,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             push(x, m)
             push_recompute(x)
         push_recompute(m)
+    _horizontal(groups, group_of, unit, view, ctx, next_id)
     for g in groups.values():
         if g.ir is None:
             try:
@@ -265,6 +266,51 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             n.meta["fc_group"] = g.id
     ctx.groups = sorted(groups.values(), key=lambda g: view.order[g.nodes[-1]])
     return gm
+
+
+def _horizontal(groups, group_of, unit, view, ctx, next_id):
+    """Merge sibling groups that read the same tensor (no path between them) into one kernel
+    when the model says it saves time: the shared tensor is read once, one launch is saved.
+    The code generator needs one iteration space, so siblings of other shapes stay apart."""
+    tried = set()
+    while True:
+        readers = defaultdict(set)
+        for gid, g in groups.items():
+            for i in g.inputs:
+                readers[i].add(gid)
+        best = None
+        for ids in readers.values():
+            for a, b in itertools.combinations(sorted(ids), 2):
+                if (a, b) in tried:
+                    continue
+                tried.add((a, b))
+                if nx.has_path(unit, a, b) or nx.has_path(unit, b, a):
+                    continue
+                merged = analyze(FusionGroup(-1, groups[a].members | groups[b].members,
+                                             recomputed=groups[a].recomputed | groups[b].recomputed),
+                                 view, ctx)
+                score = groups[a].cost.time + groups[b].cost.time - merged.cost.time
+                if score > 0 and (best is None or score > best[0]):
+                    best = (score, a, b, merged)
+        if best is None:
+            return next_id
+        score, a, b, merged = best
+        decision = _decision(groups[a], groups[b], merged, score, True, "fused (siblings)")
+        decision["kind"] = "horizontal"
+        try:
+            check_legal(merged, ctx)
+        except NotFusable as exc:
+            decision.update(taken=False, reason=str(exc))
+            ctx.decisions.append(decision)
+            continue
+        ctx.decisions.append(decision)
+        merged.id = next_id
+        next_id += 1
+        for n in merged.members:
+            group_of[n] = merged.id
+        nx.relabel_nodes(unit, {a: merged.id, b: merged.id}, copy=False)
+        del groups[a], groups[b]
+        groups[merged.id] = merged
 
 
 def _recompute_candidate(groups, p, consumers, view, ctx):

@@ -167,3 +167,29 @@ def test_producer_read_by_aten_is_not_recomputed():
         return p.sum(-1), p.t() * 3.0, p @ w      # the matmul needs p in memory
     ctx = analyze(fn, x, w)
     assert not [d for d in ctx.decisions if d.get("kind") == "recompute" and d["taken"]]
+
+
+def qk_norm(q, k, wq, wk):
+    from patterns import rmsnorm
+    return rmsnorm(q, wq), rmsnorm(k, wk)
+
+
+def test_sibling_norms_reading_one_weight_share_a_kernel(device):
+    """q-norm and k-norm of one shape: no path between them, one shared weight -> one launch."""
+    from helpers import assert_close, compile_and_run, kernel_count
+    q, k = torch.randn(2, 8, 4, 16, device=device), torch.randn(2, 8, 4, 16, device=device)
+    w = torch.randn(16, device=device)
+    out, reports = compile_and_run(qk_norm, (q, k, w, w))
+    assert kernel_count(reports) == 1
+    assert any(d.get("kind") == "horizontal" and d["taken"] for d in reports[0].decisions)
+    for a, e in zip(out, qk_norm(q, k, w, w)):
+        assert_close(a, e)
+
+
+def test_siblings_of_other_shapes_stay_apart():
+    # GQA: 8 query heads, 2 key heads -> different iteration spaces, one kernel each
+    q, k, w = torch.randn(2, 8, 8, 16), torch.randn(2, 8, 2, 16), torch.randn(16)
+    ctx = analyze(qk_norm, q, k, w, w)
+    assert len(ctx.groups) == 2
+    refused = [d for d in ctx.decisions if d.get("kind") == "horizontal" and not d["taken"]]
+    assert refused and "shape" in refused[0]["reason"]
