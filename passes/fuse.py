@@ -4,11 +4,15 @@ Note on the algorithm (XLA's priority fusion, simplified):
 
     every data node (pointwise, cat, reduction) starts as its own group
     views and expands are transparent: they join whichever groups read through them
-    repeat:
+    repeat (a priority queue):
         candidates = producer -> consumer edges between groups
+                     and "recompute P in each of its consumers C1..Ck" (P without reduction,
+                     read by groups only: P is never written)
         score(P, C) = time(P) + time(C) - time(P u C)      (cost_model.kernel_cost)
-        take the best positive candidate that is legal, merge, re-score
+        score(P, C1..Ck) = time(P) + sum time(Ci) - sum time(Ci u P)
+        take the best positive candidate that is legal, merge, re-score the new group's edges
     until no positive legal candidate is left
+    then: siblings reading one tensor, with no path between them, merged (horizontal fusion)
 
 Legality is separate from profitability: a merge is refused when it would make a cycle in the
 graph of groups (a path P -> X -> C through another group or an ATen op), when the group would
@@ -24,7 +28,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import networkx as nx
 import torch
@@ -32,123 +35,7 @@ import torch
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir
 from ..codegen.lower import Lowering
 from .classify import OpKind
-from .cost_model import kernel_cost
-from .shapes import hint
-
-TRANSPARENT = {OpKind.VIEW, OpKind.BROADCAST}
-DATA = {OpKind.POINTWISE, OpKind.INJECTIVE, OpKind.REDUCTION}
-
-
-@dataclass
-class FusionGroup:
-    """A set of data nodes that becomes one kernel, with what it reads and writes."""
-    id: int
-    members: frozenset
-    nodes: list = field(default_factory=list)     # members + inlined views, topological
-    inputs: list = field(default_factory=list)    # FX nodes the kernel loads
-    outputs: list = field(default_factory=list)   # members used outside the group
-    cost: object = None
-    ir: object = None                             # KernelIR once legal
-    graph_symbols: tuple = ()
-    error: str = ""                               # why it cannot be a kernel (if so)
-    recomputed: frozenset = frozenset()           # members also computed in other groups
-
-    @property
-    def n_ops(self) -> int:
-        return len(self.members)
-
-
-class GraphView:
-    """Read-only facts about the graph the pass needs: order, sources through views, users."""
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.kind = {n: n.meta.get("fc_kind", OpKind.OPAQUE) for n in gm.graph.nodes}
-
-    def is_data(self, n) -> bool:
-        return self.kind.get(n) in DATA
-
-    def is_transparent(self, n) -> bool:
-        return self.kind.get(n) in TRANSPARENT
-
-    def tensor_args(self, n):
-        return [a for a in n.all_input_nodes if "fc_tensor" in a.meta]
-
-    def sources(self, n, through: set):
-        """Tensors ``n`` reads, following views; stops at members of ``through``."""
-        out, stack = [], list(self.tensor_args(n))
-        while stack:
-            a = stack.pop()
-            if a in through or not self.is_transparent(a):
-                out.append(a)
-            else:
-                stack.extend(self.tensor_args(a))
-        return out
-
-    def consumers(self, n):
-        """Non-view users of ``n``, following views (an ATen view used by an output counts)."""
-        out, stack = [], list(n.users)
-        while stack:
-            u = stack.pop()
-            if self.is_transparent(u) and any(True for _ in u.users):
-                stack.extend(u.users)
-            else:
-                out.append(u)
-        return out
-
-
-def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
-    """Fill in nodes, inputs, outputs and cost of a group."""
-    members = group.members
-    nodes, inputs, seen = set(members), [], set()
-
-    def visit(a):
-        if a in nodes or a in seen:
-            return
-        if view.is_transparent(a):
-            nodes.add(a)
-            for b in view.tensor_args(a):
-                visit(b)
-        else:
-            seen.add(a)
-            inputs.append(a)
-
-    for m in members:
-        for a in view.tensor_args(m):
-            visit(a)
-    group.nodes = sorted(nodes, key=view.order.__getitem__)
-    group.inputs = sorted(inputs, key=view.order.__getitem__)
-    # a recomputed member is computed again by every group that reads it: never written
-    group.outputs = sorted((m for m in members if m not in group.recomputed
-                            and any(c not in members for c in view.consumers(m))),
-                           key=view.order.__getitem__)
-    passes, row_inputs = _looped_passes(group, view, ctx)
-    group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
-                             ctx.profile)
-    return group
-
-
-def _looped_passes(group: FusionGroup, view: GraphView, ctx):
-    """(passes over each row, inputs re-read on every pass) of a looped row kernel.
-
-    A row too long for registers is streamed once per reduction level and once more for the
-    per-element outputs: a softmax over a long row reads its input three times."""
-    reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
-    if not reductions:
-        return 1, ()
-    src = reductions[0].args[0].meta["fc_tensor"]
-    n = hint(src.shape[-1], ctx.size_hints)
-    if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
-        return 1, ()
-    level = {}
-    for m in sorted(group.members, key=view.order.__getitem__):
-        up = [level[s] for s in view.sources(m, set()) if s in level]
-        level[m] = max(up, default=0) + (1 if m in reductions else 0)
-    passes = max(level[r] for r in reductions) + 1
-    row_numel = hint(src.numel, ctx.size_hints)
-    row_inputs = {i for i in group.inputs if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel}
-    return passes, row_inputs
-
+from .groups import DATA, FusionGroup, GraphView, analyze
 
 def check_legal(group: FusionGroup, ctx) -> None:
     """Raise NotFusable unless the code generator can make one kernel of ``group``."""

@@ -12,7 +12,7 @@ import operator
 import networkx as nx
 import torch
 
-from .fuse import TRANSPARENT
+from .groups import TRANSPARENT
 
 aten = torch.ops.aten
 
