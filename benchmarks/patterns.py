@@ -14,10 +14,8 @@ import time
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import patterns as P  # noqa: E402
-
 import fusion_compiler  # noqa: E402,F401
+from fusion_compiler import patterns as P  # noqa: E402
 
 bf = torch.bfloat16
 M, H, I = 16384, 4096, 11008

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "visible GPU and store them; later compiles with FUSION_COMPILER_PROFILE=auto "
                     "(the default) on a GPU of that name use them. Needs a CUDA GPU.")
     c.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    from .cli_bench import add_parser as add_bench
+    add_bench(sub)
     return parser
 
 
@@ -97,6 +99,9 @@ def main(argv=None) -> int:
         return 0
     if args.command == "calibrate":
         return calibrate_command(args)
+    if args.command == "bench":
+        from .cli_bench import command as bench_command
+        return bench_command(args)
     if args.command != "dump":
         parser.print_help()
         return 0

@@ -364,3 +364,16 @@ def test_calibrate_without_a_gpu_says_so(capsys):
     assert main(["calibrate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calibrate measures a CUDA GPU" in err[0]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU is visible: bench would run")
+def test_bench_without_a_gpu_says_so(capsys):
+    assert main(["bench", "add_rmsnorm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA GPU" in err[0]
+    assert err[0].startswith("fusion-compiler: error:")
+
+
+def test_bench_rejects_unknown_options(capsys):
+    assert main(["bench", "add_rmsnorm", "--mode", "sideways"]) == 2
+    assert "Traceback" not in capsys.readouterr().err

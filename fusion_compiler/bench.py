@@ -1,0 +1,183 @@
+"""`fusion-compiler bench`: eager vs Inductor vs fusion on the GPU, one table and a JSON file.
+
+For each target and backend: median latency (triton.testing.do_bench: warm-up, then the median
+of repeated calls on fresh random inputs), speedup over eager, the HBM floor and the fraction of
+it reached (patterns), CUDA kernels launched per call (profiler count), cold compile time (first
+call) and warm compile time (dynamo reset, kernel caches full), peak memory, and the largest
+difference from eager.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from . import patterns as P
+
+BACKENDS = ("eager", "inductor", "fusion")
+
+
+def pattern_target(name: str, rows=None, dtype=torch.bfloat16):
+    """(fn, make_inputs, floor_bytes_fn) for a built-in pattern at its anchor size."""
+    size = P.ANCHOR_SIZES.get(name)
+    if name not in P.PATTERNS or size is None:
+        raise KeyError(name)
+    r, n = size
+    r = rows or r
+
+    def make():
+        return P.make_args(name, r, n, dtype, "cuda")
+    return P.PATTERNS[name], make
+
+
+def _outputs(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _outputs(o)]
+    if hasattr(out, "to_tuple"):
+        return _outputs(out.to_tuple())
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _outputs(o)]
+    return []
+
+
+def max_error(out, ref) -> float:
+    errs = [0.0]
+    for a, b in zip(_outputs(out), _outputs(ref)):
+        errs.append((a.detach().float() - b.detach().float()).abs().nan_to_num(0).max().item())
+    return max(errs)
+
+
+def kernels_per_call(fn, args) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None) -> dict:
+    """Numbers for one target on one backend."""
+    from triton.testing import do_bench
+
+    torch._dynamo.reset()
+    args = make_inputs()
+    f = fn if backend == "eager" else torch.compile(fn, backend=backend)
+    step = _training_step(f) if mode == "training" else (lambda *a: f(*a))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad() if mode == "inference" else _null():
+        out = step(*args)
+    torch.cuda.synchronize()
+    cold = time.perf_counter() - t0
+    warm = None
+    if backend != "eager":
+        torch._dynamo.reset()
+        f = torch.compile(fn, backend=backend)
+        step = _training_step(f) if mode == "training" else (lambda *a: f(*a))
+        t0 = time.perf_counter()
+        with torch.no_grad() if mode == "inference" else _null():
+            step(*args)
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
+    fresh = [make_inputs() for _ in range(3)]
+    calls = iter(range(1 << 30))
+
+    def call():
+        a = fresh[next(calls) % len(fresh)]     # rotate inputs: no cache-resident reruns
+        with torch.no_grad() if mode == "inference" else _null():
+            return step(*a)
+    ms = do_bench(call, warmup=25, rep=200, return_mode="median")
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad() if mode == "inference" else _null():
+        launches = kernels_per_call(step, args)
+    peak = torch.cuda.max_memory_allocated()
+    row = {"backend": backend, "ms": ms, "cold_compile_s": cold, "warm_compile_s": warm,
+           "kernels_per_call": launches, "peak_mem_bytes": peak,
+           "max_err_vs_eager": None if ref is None else max_error(out, ref)}
+    if floor_bytes:
+        row["floor_ms"] = floor_bytes / _copy_bandwidth() * 1e3
+        row["frac_of_floor"] = row["floor_ms"] / ms
+    return row, out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _training_step(f):
+    def step(*args):
+        out = f(*args)
+        loss = sum(t.float().square().mean() for t in _outputs(out) if t.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+        return out
+    return step
+
+
+_BW = []
+
+
+def _copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, measured once per process."""
+    if not _BW:
+        from triton.testing import do_bench
+        a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+        _BW.append(2 * a.numel() * 2 / (ms * 1e-3))
+    return _BW[0]
+
+
+def run(targets, backends=BACKENDS, mode="inference", out_path=None, progress=sys.stderr):
+    """Benchmark ``targets`` [(name, fn, make_inputs, is_pattern)]; print a table, return rows."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench times kernels on a CUDA GPU and none is visible")
+    results = {"copy_TBps": _copy_bandwidth() / 1e12, "mode": mode, "targets": {}}
+    total = len(targets) * len(backends)
+    done = 0
+    for name, fn, make, is_pattern in targets:
+        floor = None
+        if is_pattern:
+            args = make()
+            floor = P.floor_bytes(name, args, fn(*args))
+        ref, rows = None, {}
+        for backend in backends:
+            done += 1
+            print(f"[{done}/{total}] {name}: {backend}", file=progress, flush=True)
+            row, out = measure(fn, make, backend, mode, floor, ref)
+            if backend == "eager":
+                ref = out
+            rows[backend] = row
+        eager_ms = rows.get("eager", {}).get("ms")
+        for row in rows.values():
+            row["speedup_vs_eager"] = eager_ms / row["ms"] if eager_ms else None
+        results["targets"][name] = rows
+    print(format_table(results))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def format_table(results) -> str:
+    lines = [f"copy bandwidth {results['copy_TBps']:.2f} TB/s, mode {results['mode']}",
+             f"{'target':24s} {'backend':9s} {'median':>10s} {'speedup':>8s} {'floor %':>8s} "
+             f"{'kernels':>8s} {'cold s':>7s} {'warm s':>7s} {'peak MB':>8s} {'max err':>9s}"]
+    for name, rows in results["targets"].items():
+        for b, r in rows.items():
+            floor = f"{r['frac_of_floor']:.0%}" if "frac_of_floor" in r else "-"
+            warm = f"{r['warm_compile_s']:.2f}" if r["warm_compile_s"] is not None else "-"
+            err = f"{r['max_err_vs_eager']:.2g}" if r["max_err_vs_eager"] is not None else "-"
+            lines.append(f"{name:24s} {b:9s} {r['ms'] * 1e3:8.1f}us {r['speedup_vs_eager']:7.2f}x "
+                         f"{floor:>8s} {r['kernels_per_call']:8d} {r['cold_compile_s']:7.2f} "
+                         f"{warm:>7s} {r['peak_mem_bytes'] / 2**20:8.0f} {err:>9s}")
+    return "\n".join(lines)

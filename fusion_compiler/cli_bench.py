@@ -1,0 +1,69 @@
+"""The `fusion-compiler bench` subcommand (argument handling; the timing is in bench.py)."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="time eager vs Inductor vs fusion on the GPU",
+        description="Time a model or the built-in patterns with eager PyTorch, torch.compile's "
+                    "default (Inductor) and the fusion backend in one run: median latency, "
+                    "speedup, %% of the HBM floor (patterns), kernels per call, compile times, "
+                    "peak memory, max error vs eager. Needs a CUDA GPU.",
+        epilog="TARGET: a built-in pattern name (add_rmsnorm, swiglu, ...), 'patterns' for all "
+               "of them, or a model as in `dump` (file.py, file.py:factory, module:factory).")
+    b.add_argument("targets", metavar="TARGET", nargs="+")
+    b.add_argument("--compare", default="eager,inductor,fusion",
+                   help="comma-separated backends (default: eager,inductor,fusion)")
+    b.add_argument("--mode", choices=("inference", "training"), default="inference")
+    b.add_argument("--rows", type=int, help="rows of the patterns (default: the anchor sizes)")
+    b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument("-o", "--output", metavar="FILE", help="also write the results as JSON")
+    b.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+
+
+def command(args) -> int:
+    import torch
+
+    from . import bench
+    from . import patterns as P
+
+    if not torch.cuda.is_available():
+        print("fusion-compiler: error: bench times kernels on a CUDA GPU and none is visible; "
+              "run it on a GPU machine (`fusion-compiler dump` works without one)", file=sys.stderr)
+        return 2
+    backends = [b.strip() for b in args.compare.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in bench.BACKENDS]
+    if unknown or not backends:
+        print(f"fusion-compiler: error: --compare {args.compare!r}: choose from "
+              f"{', '.join(bench.BACKENDS)}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    try:
+        targets = []
+        for t in args.targets:
+            names = [n for n, s in P.ANCHOR_SIZES.items() if s] if t == "patterns" else [t]
+            for name in names:
+                if name in P.PATTERNS:
+                    fn, make = bench.pattern_target(name, args.rows, dtype)
+                    targets.append((name, fn, make, True))
+                else:
+                    targets.append(_model_target(name, dtype))
+        bench.run(targets, backends, args.mode, args.output)
+    except Exception as exc:        # noqa: BLE001 - one line unless --debug
+        if args.debug:
+            traceback.print_exception(exc)
+        print(f"fusion-compiler: error: bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return getattr(exc, "status", 1)
+    return 0
+
+
+def _model_target(target: str, dtype):
+    from .cli import _target_imports, call_factory, load_factory
+
+    with _target_imports():
+        factory, where = load_factory(target)
+        model, inputs, _ = call_factory(factory, where, "cuda", dtype)
+    return (target, model, lambda: inputs, False)

@@ -1,0 +1,714 @@
+"""Property-based differential test: random programs, eager PyTorch vs ``backend="fusion"``.
+
+Hypothesis draws a random DAG of ops the compiler claims to fuse -- pointwise unary and binary
+ops with broadcasting operands, dtype casts, views (reshape/view, unsqueeze/squeeze,
+transpose/permute, slices, expand), ``cat`` along the last dim and last-dim reductions (with
+and without keepdim, then broadcast back) -- over random shapes (odd sizes included), dtypes
+(fp32/fp16/bf16, mixed) and input layouts (contiguous, transposed, sliced, offset, expanded).
+A program is Python source (``Program.source()``), so a failing example prints as a runnable
+reproducer. Each program runs eagerly and compiled with ``fullgraph=True``; we check:
+
+* every output matches eager (shape, dtype, stride, NaN positions, values within tolerance);
+* at least one kernel was generated when a live pointwise/reduction/cat op exists;
+* no pointwise/reduction/cat ATen op is left unfused unless ``groups_not_generated`` says why.
+
+Tolerance: the per-dtype ``TOL`` of helpers.py, plus a bound on how far eager and kernel may
+legitimately drift, propagated through the program (``error_bound``). Ops that are exact in
+both (neg, abs, relu, add, mul, div, max, casts, views, cat, amax ...) are bit-identical when
+their inputs are, so they add nothing; only ops computed differently (transcendentals are
+approximated differently, sums reduce in another order) add a few ulps, which later ops may
+amplify (exp, division, products, sums over a row, a ``where`` whose comparison flips). A
+program of exact ops is compared at plain ``TOL``.
+
+Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); CI=1 makes the run derandomized.
+``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
+FUSION_FUZZ_EXAMPLES or 2000 examples.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import strategies as st
+
+from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Shrinking goes toward the front: small sizes first, odd ones kept in.
+SIZES = (3, 1, 7, 2, 9, 12, 41, 64, 333, 2500)
+MAX_NUMEL = 16384          # elements of any value: keeps Triton's interpreter quick
+MAX_RANK = 4
+MAGNITUDE_LIMIT = 8192.0   # bound of |any value| (fp16 overflows at 65504)
+MAX_OPS = 12
+# Rows longer than this use the looped row kernel; small values make short rows loop too.
+DEFAULT_MAX_BLOCK = 16384
+SCALARS = (0.5, 2.0, -1.5, 3.0, 0.1)
+COMPARES = (">", "<", ">=", "<=", "==", "!=")
+
+# Unit roundoff per dtype (half an ulp, relative).
+UNIT = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+# ATen ops the compiler fuses (by name, "aten.<name>.<overload>"): one left on ATen must be
+# explained by the report's groups_not_generated.
+FUSED_OP_NAMES = {
+    "add", "sub", "rsub", "mul", "div", "neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
+    "relu", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "gt", "lt", "ge",
+    "le", "eq", "ne", "_to_copy", "convert_element_type", "clone", "copy", "cat", "sum", "mean",
+    "amax", "amin",
+}
+
+
+def _rare(draw, k: int) -> bool:
+    """True about once in ``k`` draws; shrinks to False."""
+    return draw(st.sampled_from([False] * (k - 1) + [True]))
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+# ------------------------------------------------------------------------------------ inputs
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # as conftest.py decides
+
+
+def make_tensor(shape, dtype, layout="contiguous", scale=1.0, fill="randn", seed=0,
+                device=DEVICE):
+    """A random input, seeded; ``layout`` makes it a non-contiguous view of a bigger base.
+
+    Values are N(0,1) clamped to [-4, 4] times ``scale`` (so magnitudes are bounded);
+    ``fill="quantized"`` rounds to multiples of 0.5 (zeros, ties in max/compare ops),
+    ``fill="nan"`` puts NaN in about 5% of the elements."""
+    shape = tuple(shape)
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "transposed":
+        base_shape = shape[:-2] + (shape[-1], shape[-2])
+    elif layout == "sliced":
+        base_shape = shape[:-1] + (2 * shape[-1],)
+    elif layout == "offset":
+        base_shape = shape[:-1] + (shape[-1] + 3,)
+    elif layout == "expanded":
+        base_shape = (1,) + shape[1:]
+    else:
+        base_shape = shape
+    t = torch.randn(base_shape, generator=gen).clamp_(-4, 4) * scale
+    if fill == "quantized":
+        t = torch.round(t * 2) / 2
+    elif fill == "nan":
+        t[torch.rand(base_shape, generator=gen) < 0.05] = float("nan")
+    t = t.to(device=device, dtype=dtype)
+    if layout == "transposed":
+        t = t.transpose(-1, -2)
+    elif layout == "sliced":
+        t = t[..., ::2]
+    elif layout == "offset":
+        t = t[..., 2:2 + shape[-1]]
+    elif layout == "expanded":
+        t = t.expand(shape)
+    assert t.shape == shape, (t.shape, shape)
+    return t
+
+
+@dataclass
+class InputSpec:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    layout: str = "contiguous"
+    scale: float = 1.0
+    fill: str = "randn"
+
+    def code(self, seed: int) -> str:
+        return (f"{self.name} = make_tensor({self.shape}, {self.dtype}, layout={self.layout!r}, "
+                f"scale={self.scale}, fill={self.fill!r}, seed={seed})")
+
+
+# ------------------------------------------------------------------------------------ program
+@dataclass
+class OpRec:
+    out: str
+    kind: str            # rule name for error_bound and the kernel/leftover checks
+    expr: str            # Python expression over earlier names
+    args: tuple          # the operands error_bound reads: expressions (a name, or a name
+                         # unsqueezed to broadcast) or None for a Python scalar
+    params: dict = field(default_factory=dict)
+    compute: bool = False    # lowers to a pointwise/reduction/cat ATen op
+
+    @property
+    def reads(self) -> set:
+        return set(re.findall(r"\b[xv]\d+\b", self.expr))
+
+
+@dataclass
+class Program:
+    seed: int
+    inputs: list
+    ops: list
+    outputs: list
+    max_block: int = DEFAULT_MAX_BLOCK   # FUSION_COMPILER_MAX_PERSISTENT_BLOCK
+
+    def source(self, trace: bool = False) -> str:
+        lines = [f"def f({', '.join(i.name for i in self.inputs)}):"]
+        lines += [f"    {op.out} = {op.expr}" for op in self.ops]
+        if trace:
+            names = [i.name for i in self.inputs] + [op.out for op in self.ops]
+            lines.append("    return {" + ", ".join(f"{n!r}: {n}" for n in names) + "}")
+        else:
+            lines.append(f"    return ({''.join(o + ', ' for o in self.outputs)})")
+        return "\n".join(lines) + "\n"
+
+    def build(self, trace: bool = False):
+        ns = {"torch": torch}
+        exec(compile(self.source(trace), "<fuzz program>", "exec"), ns)
+        return ns["f"]
+
+    def make_inputs(self):
+        return [make_tensor(i.shape, i.dtype, i.layout, i.scale, i.fill, self.seed + k)
+                for k, i in enumerate(self.inputs)]
+
+    def live_ops(self):
+        live, need = [], set(self.outputs)
+        for op in reversed(self.ops):
+            if op.out in need:
+                live.append(op)
+                need.update(op.reads)
+        return live[::-1]
+
+    def _repr_pretty_(self, p, cycle):     # how Hypothesis prints a falsifying example
+        p.text(repr(self))
+
+    def __repr__(self):
+        ins = "\n".join(i.code(self.seed + k) for k, i in enumerate(self.inputs))
+        env = ("" if self.max_block == DEFAULT_MAX_BLOCK else
+               f"os.environ['FUSION_COMPILER_MAX_PERSISTENT_BLOCK'] = '{self.max_block}'\n")
+        return (f"\n{self.source()}\n{ins}\n{env}"
+                f"check_program_fn(f, [{', '.join(i.name for i in self.inputs)}])\n")
+
+
+@dataclass
+class _Val:
+    meta: torch.Tensor       # shape, dtype, strides (a meta tensor)
+    bound: float             # upper bound of |value|
+
+
+class _Builder:
+    """Draws one program, op by op; every op's result is checked on meta tensors."""
+
+    def __init__(self, draw):
+        self.draw = draw
+        self.dtype = draw(st.sampled_from(DTYPES))
+        self.inputs, self.ops, self.vals = [], [], {}
+
+    # -- values
+    def new_input(self, shape) -> str:
+        d = self.draw
+        shape = tuple(shape)
+        dtype = d(st.sampled_from(DTYPES)) if _rare(d, 5) else self.dtype
+        layouts = ["contiguous"] * 4
+        if len(shape) >= 2:
+            layouts.append("transposed")
+        if len(shape) >= 1:
+            layouts += ["sliced", "offset"]
+        if len(shape) >= 1 and shape[0] > 1:
+            layouts.append("expanded")
+        spec = InputSpec(f"x{len(self.inputs)}", shape, dtype, d(st.sampled_from(layouts)),
+                         d(st.sampled_from([1.0, 1.0, 3.0, 0.25])),
+                         d(st.sampled_from(["randn"] * 6 + ["quantized", "nan"])))
+        self.inputs.append(spec)
+        self.vals[spec.name] = _Val(torch.empty_strided(
+            shape, make_tensor(shape, torch.float32, spec.layout, device="cpu").stride(), dtype=dtype,
+            device="meta"), 4.0 * spec.scale)
+        return spec.name
+
+    def names(self):
+        return list(self.vals)
+
+    def pick(self) -> str:
+        """A value, preferring recent ones (shrinks toward the latest: a chain)."""
+        names = self.names()
+        return names[len(names) - 1 - self.draw(st.integers(0, len(names) - 1))]
+
+    def shape(self, name):
+        return tuple(self.vals[name].meta.shape)
+
+    def bound(self, name):
+        return self.vals[name].bound
+
+    def add(self, kind, expr, args, bound, params=None, compute=True) -> str | None:
+        out = f"v{len(self.ops)}"
+        env = {n: v.meta for n, v in self.vals.items()}
+        try:
+            meta = eval(expr, {"torch": torch}, env)
+        except Exception:
+            return None
+        if (meta.numel() > MAX_NUMEL or meta.ndim > MAX_RANK or bound > MAGNITUDE_LIMIT
+                or not meta.dtype.is_floating_point):
+            return None
+        self.ops.append(OpRec(out, kind, expr, tuple(args), dict(params or {}), compute))
+        self.vals[out] = _Val(meta, bound)
+        return out
+
+    # -- operands for binary ops
+    def broadcast_input(self, shape) -> str:
+        """New input that broadcasts against ``shape``: leading dims dropped, some dims 1."""
+        d = self.draw
+        shape = tuple(shape)
+        drop = d(st.integers(0, len(shape)))
+        new = [s if d(st.sampled_from([True, True, False])) else 1 for s in shape[drop:]]
+        if _rare(d, 8):
+            lead = d(st.sampled_from(SIZES))
+            if lead * _numel(shape) <= MAX_NUMEL and len(shape) < MAX_RANK:
+                new = [lead] + list(shape)
+        return self.new_input(new)
+
+    def other(self, a, allow_scalar=True, lift_a=True):
+        """(expr, name, a_expr): a second operand for ``a`` -- an existing value that
+        broadcasts with it, a new input, or a scalar (name None) -- and how to spell ``a``.
+        A keepdim=False reduction result is unsqueezed to broadcast back against the tensor
+        it reduced (the operand, or ``a`` itself when ``lift_a``)."""
+        d = self.draw
+        sa = self.shape(a)
+        compatible = []
+        for n in self.names():
+            sn = self.shape(n)
+            try:
+                if _numel(torch.broadcast_shapes(sa, sn)) <= MAX_NUMEL:
+                    compatible.append((n, n, a))
+                    continue
+            except RuntimeError:
+                pass
+            if len(sa) >= 1 and sn == sa[:-1]:
+                compatible.append((f"{n}.unsqueeze(-1)", n, a))
+            elif lift_a and len(sn) >= 1 and sa == sn[:-1]:
+                compatible.append((n, n, f"{a}.unsqueeze(-1)"))
+        choices = ["input"] + (["value"] if compatible else []) + (["scalar"] if allow_scalar else [])
+        how = d(st.sampled_from(choices))
+        if how == "value":
+            return compatible[len(compatible) - 1 - d(st.integers(0, len(compatible) - 1))]
+        if how == "scalar":
+            return repr(d(st.sampled_from(SCALARS))), None, a
+        name = self.broadcast_input(sa)
+        return name, name, a
+
+    # -- ops
+    def unary(self, a):
+        d = self.draw
+        kind = d(st.sampled_from(["neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
+                                  "relu", "cast"]))
+        b = self.bound(a)
+        if kind == "cast":
+            dtype = d(st.sampled_from(DTYPES))
+            expr = d(st.sampled_from([f"{a}.to({dtype})"] + {
+                torch.float32: [f"{a}.float()"], torch.float16: [f"{a}.half()"],
+                torch.bfloat16: [f"{a}.bfloat16()"]}[dtype]))
+            changes = self.vals[a].meta.dtype != dtype
+            return self.add("cast", expr, [a], b * 1.01, {"dtype": dtype}, compute=changes)
+        expr, bound = {
+            "neg": (f"torch.neg({a})", b), "abs": (f"torch.abs({a})", b),
+            "exp": (f"torch.exp(torch.clamp({a}, -4.0, 4.0))", math.exp(4)),
+            "tanh": (f"torch.tanh({a})", 1.0), "sigmoid": (f"torch.sigmoid({a})", 1.0),
+            "rsqrt": (f"torch.rsqrt(torch.abs({a}) + 1)", 1.0),
+            "sqrt": (f"torch.sqrt(torch.abs({a}) + 1)", math.sqrt(b + 1) + 0.1),
+            "relu": (f"torch.relu({a})", b),
+        }[kind]
+        return self.add(kind, expr, [a], bound)
+
+    def binary(self, a):
+        d = self.draw
+        kind = d(st.sampled_from(["add", "sub", "mul", "div", "maximum", "minimum", "where"]))
+        ba = self.bound(a)
+        if kind == "where":
+            c_expr, c, _ = self.other(a, lift_a=False)
+            y_expr, y, _ = self.other(a, allow_scalar=_rare(d, 4), lift_a=False)
+            cmp = d(st.sampled_from(COMPARES))
+            expr = f"torch.where({a} {cmp} {c_expr}, {a}, {y_expr})"
+            bound = max(ba, self.bound(y) if y else abs(float(y_expr)))
+            return self.add("where", expr, [a, c and c_expr, y and y_expr], bound,
+                            {"cmp": cmp, "c_scalar": None if c else float(c_expr),
+                             "y_scalar": None if y else float(y_expr)})
+        b_expr, b, a = self.other(a, allow_scalar=kind not in ("maximum", "minimum"))
+        s = None if b else float(b_expr)
+        bb = self.bound(b) if b else abs(s)
+        swap = kind in ("sub", "div") and _rare(d, 3)   # scalar - tensor is aten.rsub
+        args = [b and b_expr, a] if swap else [a, b and b_expr]
+        if kind == "div":
+            # divide by |x| + 0.5 so that the divisor is never near zero
+            if b is None and not swap:
+                return self.add("div", f"{a} / {b_expr}", args, ba / abs(s), {"scalar": s})
+            num, den = (b_expr, a) if swap else (a, b_expr)
+            return self.add("div", f"{num} / (torch.abs({den}) + 0.5)", args,
+                            2 * (bb if swap else ba), {"scalar": s})
+        if kind in ("maximum", "minimum"):
+            return self.add(kind, f"torch.{kind}({a}, {b_expr})", args, max(ba, bb))
+        op = {"add": "+", "sub": "-", "mul": "*"}[kind]
+        lhs, rhs = (b_expr, a) if swap else (a, b_expr)
+        bound = ba * bb if kind == "mul" else ba + bb
+        return self.add(kind, f"{lhs} {op} {rhs}", args, bound, {"scalar": s})
+
+    def reduction(self, a):
+        d = self.draw
+        sa = self.shape(a)
+        if len(sa) == 0:
+            return None
+        kind = d(st.sampled_from(["sum", "mean", "amax", "amin", "softmax"]))
+        keepdim = d(st.booleans())
+        dim = d(st.sampled_from([-1, len(sa) - 1]))
+        expr = f"{a}.{kind}({dim}" + (", keepdim=True)" if keepdim else ")")
+        if _rare(d, 3):
+            expr = f"torch.{kind}({a}, {dim}" + (", keepdim=True)" if keepdim else ")")
+        bound = self.bound(a) * (sa[-1] if kind == "sum" else 1)
+        if kind == "softmax":
+            return self.add("softmax", f"torch.softmax({a}, {dim})", [a], 1.0)
+        r = self.add(kind, expr, [a], bound, {"keepdim": keepdim})
+        if r is None or not d(st.booleans()):
+            return r
+        # broadcast the reduction back against the tensor it reduced (normalisation patterns)
+        back = d(st.sampled_from(["sub", "div", "mul", "add", "maximum"]))
+        rb = r if keepdim else f"{r}.unsqueeze(-1)"
+        ba, br = self.bound(a), self.bound(r)
+        if back == "div":
+            return self.add("div", f"{a} / (torch.abs({rb}) + 0.5)", [a, rb], 2 * ba,
+                            {"scalar": None})
+        if back == "maximum":
+            return self.add("maximum", f"torch.maximum({a}, {rb})", [a, rb], max(ba, br))
+        op = {"sub": "-", "mul": "*", "add": "+"}[back]
+        return self.add(back, f"{a} {op} {rb}", [a, rb], ba * br if back == "mul" else ba + br,
+                        {"scalar": None})
+
+    def view(self, a):
+        d = self.draw
+        sa = self.shape(a)
+        r = len(sa)
+        kind = d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose", "permute",
+                                  "contiguous", "slice", "expand", "cat"]))
+        b = self.bound(a)
+        if kind == "reshape":
+            how = d(st.sampled_from(["merge", "split", "flatten"]))
+            if how == "merge" and r >= 2:
+                k = d(st.integers(0, r - 2))
+                new = sa[:k] + (sa[k] * sa[k + 1],) + sa[k + 2:]
+            elif how == "split" and r >= 1:
+                k = d(st.integers(0, r - 1))
+                divs = [p for p in range(2, sa[k]) if sa[k] % p == 0]
+                if not divs:
+                    new = sa + (1,)
+                else:
+                    p = d(st.sampled_from(divs))
+                    new = sa[:k] + (p, sa[k] // p) + sa[k + 1:]
+            else:
+                new = (-1,)
+            method = "view" if (_rare(d, 3) and self.vals[a].meta.is_contiguous()) else "reshape"
+            return self.add("view", f"{a}.{method}({', '.join(map(str, new)) or '()'})", [a], b,
+                            compute=False)
+        if kind == "unsqueeze" or (kind == "squeeze" and 1 not in sa):
+            k = d(st.integers(-r - 1, r))
+            return self.add("view", f"{a}.unsqueeze({k})", [a], b, compute=False)
+        if kind == "squeeze":
+            k = d(st.sampled_from([i for i, s in enumerate(sa) if s == 1]))
+            return self.add("view", f"{a}.squeeze({k})", [a], b, compute=False)
+        if kind in ("transpose", "permute", "contiguous") and r < 2:
+            return self.add("view", f"{a}.contiguous()", [a], b, compute=False)
+        if kind == "transpose":
+            i, j = d(st.sampled_from([(-1, -2), (0, 1), (0, r - 1)]))
+            expr = f"{a}.t()" if r == 2 and _rare(d, 3) else f"{a}.transpose({i}, {j})"
+            if _rare(d, 2):
+                expr += ".contiguous()"
+            return self.add("view", expr, [a], b, compute=False)
+        if kind == "permute":
+            perm = d(st.permutations(list(range(r))))
+            return self.add("view", f"{a}.permute({', '.join(map(str, perm))})", [a], b,
+                            compute=False)
+        if kind == "contiguous":
+            return self.add("view", f"{a}.transpose(-1, -2).contiguous()", [a], b, compute=False)
+        if kind == "slice":
+            if r == 0:
+                return None
+            dim_last = not _rare(d, 4)
+            n = sa[-1] if dim_last else sa[0]
+            start = d(st.integers(0, max(n - 1, 0)))
+            stop = d(st.integers(start + 1, max(n, start + 1)))
+            step = d(st.sampled_from([1, 1, 2, 3]))
+            sl = f"{start}:{stop}" + (f":{step}" if step != 1 else "")
+            expr = f"{a}[..., {sl}]" if dim_last else f"{a}[{sl}]"
+            return self.add("view", expr, [a], b, compute=False)
+        if kind == "expand":
+            if 1 not in sa and r >= MAX_RANK:
+                return None
+            new = [d(st.sampled_from(SIZES)) if s == 1 else s for s in sa]
+            if 1 not in sa or _rare(d, 4):
+                new = [d(st.sampled_from(SIZES))] + new
+            return self.add("view", f"{a}.expand({', '.join(map(str, new))})", [a], b,
+                            compute=False)
+        # cat along the last dim: parts of the same leading shape (values or new inputs)
+        if r == 0:
+            return None
+        parts = [a]
+        for _ in range(d(st.integers(1, 2))):
+            same = [n for n in self.names() if len(self.shape(n)) == r and self.shape(n)[:-1] == sa[:-1]]
+            if same and not _rare(d, 3):
+                parts.append(same[len(same) - 1 - d(st.integers(0, len(same) - 1))])
+            else:
+                parts.append(self.new_input(sa[:-1] + (d(st.sampled_from(SIZES)),)))
+        if _rare(d, 3):
+            parts = parts[::-1]
+        dim = d(st.sampled_from([-1, r - 1]))
+        return self.add("cat", f"torch.cat([{', '.join(parts)}], dim={dim})", parts,
+                        max(self.bound(p) for p in parts))
+
+    def opaque(self, a):
+        """An op the compiler leaves on ATen: fusion groups must be split around it."""
+        sa = self.shape(a)
+        if len(sa) == 0:
+            return None
+        return self.add("cumsum", f"torch.cumsum({a}, -1)", [a],
+                        self.bound(a) * sa[-1], compute=False)
+
+
+@st.composite
+def programs(draw):
+    """A random program over 1..MAX_OPS ops (see the module docstring)."""
+    b = _Builder(draw)
+    rank = draw(st.sampled_from([2, 2, 1, 3]))
+    shape = []
+    for _ in range(rank):
+        room = MAX_NUMEL // max(_numel(shape), 1)
+        shape.append(draw(st.sampled_from([s for s in SIZES if s <= room])))
+    b.new_input(shape)
+    n_ops = draw(st.integers(1, MAX_OPS))
+    for _ in range(n_ops):
+        a = b.pick()
+        category = draw(st.sampled_from(["unary", "binary", "reduction", "view"] * 3
+                                        + ["binary", "opaque"]))
+        out = getattr(b, category)(a)
+        if out is None:                       # not applicable to this operand: a safe op
+            b.add("tanh", f"torch.tanh({a})", [a], 1.0)
+    # outputs: every value no later op reads (so no op is dead), and maybe some that are read
+    produced = [op.out for op in b.ops]
+    read = {a for op in b.ops for a in op.reads}
+    outputs = [n for n in produced if n not in read]
+    inner = [n for n in produced if n in read]
+    if inner:
+        outputs += draw(st.lists(st.sampled_from(inner), max_size=2, unique=True))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    max_block = draw(st.sampled_from([DEFAULT_MAX_BLOCK] * 3 + [64, 8]))
+    return Program(seed, b.inputs, b.ops, outputs, max_block)
+
+
+# ---------------------------------------------------------------------------- tolerance
+def _mx(t) -> float:
+    """max |t| over its finite elements (0 when there are none)."""
+    t = t.detach().double().abs()
+    t = t[torch.isfinite(t)]
+    return t.max().item() if t.numel() else 0.0
+
+
+def _flip(t, e_in) -> float:
+    """A result computed from inputs that differ (e_in > 0) may round one ulp the other way."""
+    return 2 * UNIT[t.dtype] * _mx(t) if e_in > 0 else 0.0
+
+
+def _approx(t, ulps=4) -> float:
+    """Transcendental functions are approximated differently by eager (SLEEF/libm) and the
+    kernel (libdevice / numpy in the interpreter): a few fp32 ulps, and then a possible
+    rounding flip of a bf16/fp16 result."""
+    return ulps * 2 * UNIT[torch.float32] * max(_mx(t), 1.0) + 2 * UNIT[t.dtype] * _mx(t)
+
+
+def _order(x) -> float:
+    """Sums reduce in another order (tree in the kernel, vectorised chunks in eager), both
+    accumulating in fp32: the results differ by a few fp32 ulps of the row's sum of |x|."""
+    n = x.shape[-1] if x.ndim else 1
+    row_abs = _mx(x.double().abs().nan_to_num(0.0).sum(-1)) if x.ndim else _mx(x)
+    return (n / 8 + math.log2(n + 1) + 2) * 2 * UNIT[torch.float32] * row_abs
+
+
+def error_bound(prog: Program, vals: dict) -> dict:
+    """name -> bound on |kernel - eager| (absolute, over all elements), from the eager values.
+
+    First-order propagation of the drift the compiler may legitimately introduce; see the
+    module docstring. Exact ops on exact inputs add zero."""
+    e = {i.name: 0.0 for i in prog.inputs}
+    for op in prog.ops:
+        y = vals[op.out]
+        ins = [eval(a, {"torch": torch}, vals) if a is not None else None for a in op.args]
+        es = [max(e[n] for n in re.findall(r"\b[xv]\d+\b", a)) if a is not None else 0.0
+              for a in op.args]
+        ein = max(es, default=0.0)
+        k = op.kind
+        if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat"):
+            err = ein                                   # exact, Lipschitz 1 (or a selection)
+        elif k == "cast":
+            err = ein + _flip(y, ein)
+        elif k in ("add", "sub"):
+            err = sum(es) + _flip(y, sum(es))
+        elif k == "mul":
+            ma, mb = (_mx(t) if t is not None else abs(op.params["scalar"]) for t in ins)
+            err = es[0] * mb + es[1] * ma + es[0] * es[1] + _flip(y, sum(es))
+        elif k == "div":
+            num, den = ins
+            if den is None:                             # tensor / scalar
+                err = es[0] / abs(op.params["scalar"]) + _flip(y, es[0])
+            else:
+                # num / (|den| + 0.5): the divisor is >= 0.5, and a drift e_den of it moves
+                # the quotient by |num| e_den / dmin^2 (division amplifies drift)
+                dmin = den.double().abs().nan_to_num(0.0).min().item() + 0.5
+                ed = es[1] + (2 * UNIT[den.dtype] * (_mx(den) + 1) if es[1] else 0.0)
+                mnum = _mx(num) if num is not None else abs(op.params["scalar"])
+                err = (es[0] + mnum / dmin * ed) / dmin + _flip(y, es[0] + ed)
+        elif k == "exp":
+            # exp amplifies an input drift e into a relative drift e^e - 1 of the result
+            err = _mx(y) * math.expm1(min(ein, 50.0)) + _approx(y) + _flip(y, 1)
+        elif k in ("tanh", "sigmoid"):
+            err = ein * (1.0 if k == "tanh" else 0.25) + _approx(y)
+        elif k in ("rsqrt", "sqrt"):
+            x = ins[0]
+            ed = ein + (2 * UNIT[x.dtype] * (_mx(x) + 1) if ein else 0)   # |x| + 1 rounded
+            err = 0.5 * ed + (_approx(y) if k == "rsqrt" else _flip(y, ed))
+        elif k == "where":
+            a, c, yv = ins
+            ea, ec, ey = es
+            err = max(ea, ey)
+            if ea + ec > 0:
+                # where the comparison's operands may differ by enough to flip it, the
+                # result takes the other branch: the drift there is |a - y|
+                cc = c.double() if c is not None else torch.tensor(op.params["c_scalar"])
+                other = yv.double() if yv is not None else torch.tensor(op.params["y_scalar"])
+                flip = torch.broadcast_to((a.double() - cc).abs() <= ea + ec, y.shape)
+                diff = (torch.broadcast_to(a.double(), y.shape)
+                        - torch.broadcast_to(other, y.shape)).abs()[flip]
+                err += _mx(diff) if diff.numel() else 0.0
+        elif k == "softmax":
+            # exp(x - max) / sum: a drift e of x moves each y_i by up to y_i (e^{2e} - 1);
+            # exp is approximated differently and the sum reduces in another order
+            n = ins[0].shape[-1] if ins[0].ndim else 1
+            err = _mx(y) * (math.expm1(min(2 * ein, 50.0))
+                            + (n / 8 + math.log2(n + 1) + 8) * 2 * UNIT[torch.float32]) \
+                + 2 * _flip(y, 1)
+        elif k in ("sum", "mean", "cumsum"):
+            x = ins[0]
+            n = x.shape[-1] if x.ndim else 1
+            # a drift of every element adds up over the row (mean: averages)
+            err = ein * (1 if k == "mean" else n)
+            if k != "cumsum":         # cumsum runs on ATen in both: same order
+                err += _order(x) / (n if k == "mean" else 1) + 2 * _flip(y, 1)
+            else:
+                err += _flip(y, ein)
+        else:
+            raise AssertionError(f"no error rule for {k}")
+        e[op.out] = err
+    return e
+
+
+# ---------------------------------------------------------------------------- the check
+def _fused_name(target: str):
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 3 else target
+
+
+def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None = None):
+    """Run ``fn`` eagerly and compiled; compare outputs; check kernels and leftovers."""
+    expected = fn(*args)
+    actual, reports = compile_and_run(fn, args)
+    expected, actual = tuple(expected), tuple(actual)
+    assert len(actual) == len(expected)
+    names = prog.outputs if prog else [f"out{i}" for i in range(len(expected))]
+    for name, a, e in zip(names, actual, expected):
+        extra = bounds.get(name, 0.0) if bounds else 0.0
+        atol, rtol = TOL[e.dtype]
+        if extra:
+            note(f"{name}: tolerance widened by {extra:.3g} (error_bound)")
+        assert_close(a, e, atol=atol + extra, rtol=rtol, name=name)
+        if a.numel() > 1:
+            sa = [s for s, n in zip(a.stride(), a.shape) if n > 1]
+            se = [s for s, n in zip(e.stride(), e.shape) if n > 1]
+            assert sa == se, f"{name}: strides {a.stride()} != eager {e.stride()}"
+    if prog is None:
+        return reports
+    live = prog.live_ops()
+    if any(op.compute for op in live):
+        assert kernel_count(reports) >= 1, (
+            f"no kernel generated; left on ATen: {leftover_aten(reports)}; "
+            f"not generated: {[r.groups_not_generated for r in reports]}")
+    explained = {t for r in reports for ops, _ in r.groups_not_generated for t in ops}
+    unexplained = [t for t in leftover_aten(reports)
+                   if _fused_name(t) in FUSED_OP_NAMES and t not in explained]
+    assert not unexplained, (f"fusable ATen ops left unfused without a reason: {unexplained}; "
+                             f"decisions: {[r.decisions for r in reports]}")
+    return reports
+
+
+def known_bug(prog: Program) -> str | None:
+    """Name of a listed (xfail regression) bug the program would hit, else None."""
+    return None
+
+
+@contextlib.contextmanager
+def _max_block(n: int):
+    """FUSION_COMPILER_MAX_PERSISTENT_BLOCK=n for the compile, with a kernel cache folder of
+    its own: the cache key leaves this setting out (test_regression_cache_key_ignores_config),
+    so a shared cache would hand back kernels generated for another setting."""
+    keys = ("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "FUSION_COMPILER_CACHE_DIR")
+    saved = {k: os.environ.get(k) for k in keys}
+    base = saved["FUSION_COMPILER_CACHE_DIR"] or _default_cache_root()
+    if n != DEFAULT_MAX_BLOCK:
+        os.environ[keys[0]] = str(n)
+        os.environ[keys[1]] = os.path.join(base, f"max-block-{n}")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@functools.lru_cache(maxsize=None)
+def _default_cache_root() -> str:
+    return tempfile.mkdtemp(prefix="fc-fuzz-cache-")
+
+
+def check_program(prog: Program):
+    note(repr(prog))
+    assume(known_bug(prog) is None)
+    fn = prog.build()
+    args = prog.make_inputs()
+    vals = prog.build(trace=True)(*args)
+    bounds = error_bound(prog, vals)
+    with _max_block(prog.max_block):
+        check_program_fn(fn, args, prog, bounds)
+
+
+def _fuzz_settings(n: int):
+    return settings(max_examples=n, deadline=None, derandomize=bool(os.environ.get("CI")),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                    print_blob=True)
+
+
+def _examples(default: int) -> int:
+    return int(os.environ.get("FUSION_FUZZ_EXAMPLES") or default)
+
+
+def test_fuzz_programs():
+    given(programs())(_fuzz_settings(_examples(40))(check_program))()
+
+
+@pytest.mark.slow
+def test_fuzz_programs_slow(pytestconfig):
+    markexpr = pytestconfig.getoption("markexpr") or ""
+    if os.environ.get("FUSION_FUZZ_SLOW") != "1" and ("slow" not in markexpr
+                                                      or "not slow" in markexpr):
+        pytest.skip("slow fuzzing: run with -m slow or FUSION_FUZZ_SLOW=1")
+    given(programs())(_fuzz_settings(_examples(2000))(check_program))()
+
+
+# ---------------------------------------------------------------------- regressions
+# Minimal reproducers of compiler bugs the fuzzer found (xfail until fixed; strict so that a
+# fix is noticed and the matching ``known_bug`` assume() is removed).
