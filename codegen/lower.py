@@ -61,6 +61,8 @@ class LoweredKernel:
 
 def iteration_space(ir: KernelIR):
     """("row", rows + (N,)) if the group reduces, else ("pointwise", output shape)."""
+    if any(s == 0 for v in ir.values for s in v.shape):
+        raise NotFusable("an empty tensor (a dimension of size 0): nothing to compute")
     red_shapes = {ir.values[ref_id(op.args[0])].shape for op in ir.ops if op.target in REDUCTIONS}
     if len(red_shapes) > 1:
         raise NotFusable(f"reductions over different shapes {sorted(map(str, red_shapes))}")

@@ -55,7 +55,12 @@ def literal(value, dtype: torch.dtype) -> str:
         return repr(value)
     if isinstance(value, float):
         raise NotFusable(f"float scalar {value} in an integer op")
-    return str(int(value))
+    # ATen casts the scalar to the tensor's integer type, wrapping around (uint8: -1 -> 255)
+    bits = dtype.itemsize * 8
+    value = int(value) & ((1 << bits) - 1)
+    if dtype.is_signed and value >= 1 << (bits - 1):
+        value -= 1 << bits
+    return str(value)
 
 
 def _div(a, b, ct):
@@ -71,13 +76,15 @@ def _pow(a, b, ct):
     try:
         e = float(b)
     except ValueError:     # a tensor exponent
-        return f"fl.pow({a}, {b})"
+        return _float_only(ct, f"fl.pow({a}, {b})")
     if e == 2:
         return f"({a} * {a})"
     if e == 3:
         return f"({a} * {a} * {a})"
     if e == 1:
         return a
+    if not ct.is_floating_point:
+        raise NotFusable(f"integer pow with exponent {b} stays on ATen")
     if e == 0.5:
         return f"tl.sqrt_rn({a})" if ct == torch.float32 else f"tl.sqrt({a})"
     if e == -1:
@@ -85,6 +92,12 @@ def _pow(a, b, ct):
     if e == -0.5:
         return f"tl.math.rsqrt({a})"
     return f"fl.pow({a}, {literal(e, ct)})"
+
+
+def _float_only(ct, expr):
+    if not ct.is_floating_point:
+        raise NotFusable(f"integer pow stays on ATen ({ct})")
+    return expr
 
 
 def _clamp(x, lo, hi):
@@ -127,20 +140,21 @@ POINTWISE = {
     "aten.tanh.default": lambda a, k, ct: f"fl.tanh({a[0]})",
     "aten.sigmoid.default": lambda a, k, ct: _div("1.0", f"(1.0 + tl.exp(-{a[0]}))", ct),
     "aten.erf.default": lambda a, k, ct: f"tl.math.erf({a[0]})",
-    "aten.relu.default": lambda a, k, ct: f"tl.where({a[0]} > 0, {a[0]}, 0)",
+    "aten.relu.default": lambda a, k, ct: _clamp(a[0], literal(0, ct), None),   # NaN stays NaN
     "aten.pow.Tensor_Scalar": lambda a, k, ct: _pow(a[0], a[1], ct),
-    "aten.pow.Tensor_Tensor": lambda a, k, ct: f"fl.pow({a[0]}, {a[1]})",
+    "aten.pow.Tensor_Tensor": lambda a, k, ct: _float_only(ct, f"fl.pow({a[0]}, {a[1]})"),
     "aten.clamp.default": lambda a, k, ct: _clamp(a[0], *(list(a[1:]) + [None, None])[:2]),
     "aten.clamp.Tensor": lambda a, k, ct: _clamp(a[0], *(list(a[1:]) + [None, None])[:2]),
     "aten.clamp_min.default": lambda a, k, ct: _clamp(a[0], a[1], None),
     "aten.clamp_max.default": lambda a, k, ct: _clamp(a[0], None, a[1]),
     "aten.maximum.default": lambda a, k, ct: _clamp(a[0], a[1], None),
     "aten.minimum.default": lambda a, k, ct: _clamp(a[0], None, a[1]),
-    "aten.sign.default": lambda a, k, ct: f"tl.where({a[0]} > 0, 1, tl.where({a[0]} < 0, -1, 0))",
+    "aten.sign.default": lambda a, k, ct: (f"tl.where({a[0]} > 0, {literal(1, ct)}, "
+                                           f"tl.where({a[0]} < 0, {literal(-1, ct)}, {literal(0, ct)}))"),
     "aten.floor.default": lambda a, k, ct: f"tl.floor({a[0]})",
     "aten.ceil.default": lambda a, k, ct: f"tl.ceil({a[0]})",
     "aten.trunc.default": lambda a, k, ct: f"fl.trunc({a[0]})",
-    "aten.bitwise_not.default": lambda a, k, ct: f"(~{a[0]})",
+    "aten.bitwise_not.default": lambda a, k, ct: f"({a[0]} ^ 255)" if ct == torch.uint8 else f"(~{a[0]})",
     "aten.bitwise_and.Tensor": lambda a, k, ct: f"({a[0]} & {a[1]})",
     "aten.bitwise_or.Tensor": lambda a, k, ct: f"({a[0]} | {a[1]})",
 }

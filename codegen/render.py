@@ -110,7 +110,9 @@ def _render_kernel(lk: LoweredKernel, name: str):
             return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}){conv}"]
         pad = "".join(f" + 0 * {s.name}" for s in sorted(pred_syms - used, key=str))
         m = mask_of(used | pred_syms, pred_set)
-        return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}, other=0){conv}"]
+        # fp8 has no literal for `other`: masked lanes are undefined there, and never used
+        other = "" if var.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ", other=0"
+        return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"]
 
     def store(stmt):
         _, pos, var, offset, row_level = stmt

@@ -101,7 +101,13 @@ if INTERPRET:
 
     @triton.jit
     def pow(x, y):
-        return tl.exp2(y * tl.log2(x))
+        y = tl.zeros_like(x) + y     # a constant exponent as a tensor like x
+        r = tl.exp2(y * tl.log2(tl.abs(x)))
+        whole = y == tl.floor(y)
+        odd = whole & ((y - 2.0 * tl.floor(y * 0.5)) == 1.0)
+        r = tl.where((x < 0) & odd, -r, r)
+        r = tl.where((x < 0) & (whole == 0), float("nan"), r)
+        return tl.where(y == 0, 1.0, r)
 else:
     from triton.language.extra import libdevice
 

@@ -49,6 +49,11 @@ class Config:
             if f.name == "cache_dir" or name not in env:
                 continue
             updates[f.name] = _parse(name, env[name], f.type)
+        if "profile" in updates:
+            from .passes.cost_model import PROFILES
+            if updates["profile"].lower() not in (*PROFILES, "auto"):
+                raise ConfigError(f"FUSION_COMPILER_PROFILE={updates['profile']!r}: expected one "
+                                  f"of {', '.join((*PROFILES, 'auto'))}")
         return replace(cfg, **updates)
 
 

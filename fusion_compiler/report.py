@@ -43,7 +43,10 @@ def aten_compute_ops(gm: torch.fx.GraphModule) -> list:
         if n.op != "call_function" or "fc_launcher" in n.meta:
             continue
         name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-        if name in _FREE or not hasattr(n.target, "_schema") and "fc_tensor" not in n.meta:
+        val = n.meta.get("val")
+        makes_tensors = isinstance(val, torch.Tensor) or (
+            isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+        if name in _FREE or not hasattr(n.target, "_schema") and not makes_tensors:
             continue
         out.append(str(n.target))
     return out

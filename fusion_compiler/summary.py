@@ -39,8 +39,12 @@ def aten_reason(node) -> str:
         return "attention"
     if base == "embedding":
         return "embedding (gather)"
-    kind = node.meta.get("fc_kind")
-    if kind is OpKind.REDUCTION or base in ("sum", "mean", "amax", "amin"):
+    if base in ("sum", "mean", "amax", "amin"):
+        src = node.args[0].meta.get("fc_tensor") if node.args else None
+        if src is not None and (not src.dtype.is_floating_point or node.kwargs.get("dtype")):
+            return "reduction of integers or with dtype=: stays on ATen"
+        if src is not None and src.dtype == torch.float64:
+            return "fp64 reduction: stays on ATen"
         return "reduction not over the last dimension"
     return f"not supported by the code generator: {_short(node.target)}"
 

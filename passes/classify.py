@@ -78,7 +78,14 @@ def is_host_scalar(info: TensorInfo) -> bool:
     return info.device.type == "cpu" and info.ndim == 0
 
 
-def kind_of(node: torch.fx.Node) -> OpKind:
+def _sizes_known(info: TensorInfo, hints: dict) -> bool:
+    """False for sizes that depend on data (unbacked symbols: nonzero, masks): no hint to plan
+    with, and no input to read them from at run time."""
+    exprs = (*info.shape, *info.stride, info.storage_offset)
+    return all(sym in hints for e in exprs for sym in getattr(e, "free_symbols", ()))
+
+
+def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
     """Kind of one node: the table's entry when every tensor it touches is kernel-friendly."""
     if node.op != "call_function":
         return OpKind.OPAQUE
@@ -88,12 +95,14 @@ def kind_of(node: torch.fx.Node) -> OpKind:
     info = node.meta.get("fc_tensor")
     if not isinstance(info, TensorInfo) or info.dtype not in KERNEL_DTYPES:
         return OpKind.OPAQUE
+    if not _sizes_known(info, hints):
+        return OpKind.OPAQUE
     for arg in node.all_input_nodes:
         arg_info = arg.meta.get("fc_tensor")
         if arg_info is None:
             if not isinstance(arg.meta.get("val"), torch.SymInt):
                 return OpKind.OPAQUE
-        elif arg_info.dtype not in KERNEL_DTYPES:
+        elif arg_info.dtype not in KERNEL_DTYPES or not _sizes_known(arg_info, hints):
             return OpKind.OPAQUE
         elif arg_info.device != info.device and not is_host_scalar(arg_info):
             return OpKind.OPAQUE
@@ -119,5 +128,5 @@ def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Write ``fc_kind`` on every node."""
     for node in gm.graph.nodes:
-        node.meta["fc_kind"] = kind_of(node)
+        node.meta["fc_kind"] = kind_of(node, ctx.size_hints)
     return gm

@@ -143,6 +143,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             push_recompute(x)
         push_recompute(m)
     _horizontal(groups, group_of, unit, view, ctx, next_id)
+    _expose_recompute_inputs(groups, view, ctx)
     for g in groups.values():
         if g.ir is None:
             try:
@@ -153,6 +154,22 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             n.meta["fc_group"] = g.id
     ctx.groups = sorted(groups.values(), key=lambda g: view.order[g.nodes[-1]])
     return gm
+
+
+def _expose_recompute_inputs(groups, view, ctx):
+    """A recomputed op reads its operands in every group that computes it: an operand that is a
+    member of another group must be written by that group, though its own consumers are inside."""
+    containing = defaultdict(set)
+    for g in groups.values():
+        for n in g.members:
+            containing[n].add(g.id)
+    for g in groups.values():
+        extra = frozenset(m for m in g.members - g.recomputed for c in view.consumers(m)
+                          if any(m not in groups[h].members for h in containing.get(c, ())))
+        if extra - set(g.outputs):
+            g.extra_outputs = extra
+            g.ir = None         # outputs changed: legality is checked again
+            analyze(g, view, ctx)
 
 
 def _horizontal(groups, group_of, unit, view, ctx, next_id):

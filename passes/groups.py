@@ -30,6 +30,7 @@ class FusionGroup:
     graph_symbols: tuple = ()
     error: str = ""                               # why it cannot be a kernel (if so)
     recomputed: frozenset = frozenset()           # members also computed in other groups
+    extra_outputs: frozenset = frozenset()        # members another group's recomputation reads
 
     @property
     def n_ops(self) -> int:
@@ -97,9 +98,9 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     group.nodes = sorted(nodes, key=view.order.__getitem__)
     group.inputs = sorted(inputs, key=view.order.__getitem__)
     # a recomputed member is computed again by every group that reads it: never written
-    group.outputs = sorted((m for m in members if m not in group.recomputed
-                            and any(c not in members for c in view.consumers(m))),
-                           key=view.order.__getitem__)
+    group.outputs = sorted((m for m in members if m in group.extra_outputs or (
+        m not in group.recomputed and any(c not in members for c in view.consumers(m)))),
+        key=view.order.__getitem__)
     passes, row_inputs = _looped_passes(group, view, ctx)
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
                              ctx.profile)
