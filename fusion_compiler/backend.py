@@ -101,6 +101,13 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
                                    for g in ctx.groups if g.id not in ctx.launchers]
     report.decisions = ctx.decisions
     report.summary = summarize(gm, ctx)
+    if log.isEnabledFor(logging.INFO):      # the dump's table, while torch.compile runs
+        from .dump_format import render_table
+        doc = {"target": f"torch.compile ({kind} graph)", "graphs": [dict(
+            report.summary, kernels=ctx.kernels, ran_kernels=runs_kernels)],
+            "options": {"device": "-", "dtype": None, "training": kind == "backward",
+                        "dynamic": False, "profile": ctx.profile.name, "code": False}}
+        log.info("%s", render_table(doc))
     publish(report)
     return new_gm
 

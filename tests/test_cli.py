@@ -377,3 +377,15 @@ def test_bench_without_a_gpu_says_so(capsys):
 def test_bench_rejects_unknown_options(capsys):
     assert main(["bench", "add_rmsnorm", "--mode", "sideways"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_decisions_are_logged_while_torch_compile_runs(caplog):
+    import logging
+
+    import torch
+    caplog.set_level(logging.INFO, logger="fusion_compiler")
+    torch._dynamo.reset()
+    x = torch.randn(7, 41)
+    torch.compile(lambda t: torch.softmax(t * 2.0, -1), backend="fusion")(x)
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "fusion_compiler")
+    assert "fused groups (1)" in text and "softmax" in text and "totals" in text
