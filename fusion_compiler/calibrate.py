@@ -31,12 +31,7 @@ def measure(device: str = "cuda") -> DeviceProfile:
 
     if not torch.cuda.is_available():
         raise RuntimeError("calibrate needs a CUDA GPU; none is visible")
-    n = 1 << 29
-    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    bandwidth = 2 * a.numel() * a.element_size() / (ms * 1e-3)
-    del a, b
+    bandwidth = _copy_bandwidth(device, do_bench)
 
     @triton.jit
     def _empty_kernel(x_ptr, n: tl.constexpr):
@@ -58,6 +53,14 @@ def measure(device: str = "cuda") -> DeviceProfile:
     ms = do_bench(lambda: m @ m, warmup=25, rep=100, return_mode="median")
     mm_flops = 2 * 8192 ** 3 / (ms * 1e-3)
     return DeviceProfile(torch.cuda.get_device_name(), bandwidth, launch, mm_flops / 16)
+
+
+def _copy_bandwidth(device, do_bench) -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def calibrate(cache_dir: Path) -> tuple[DeviceProfile, Path]:

@@ -41,3 +41,13 @@ def _fresh_dynamo():
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty kernel cache folder for this test, and no KernelCache objects from earlier tests."""
+    from fusion_compiler import backend
+    d = tmp_path / "kernel-cache"
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(d))
+    monkeypatch.setattr(backend, "_caches", {})
+    return d

@@ -72,3 +72,10 @@ def kernel_count(reports, kind=None):
 
 def leftover_aten(reports, kind=None):
     return [op for r in reports if kind is None or r.kind == kind for op in r.aten_ops]
+
+
+def current_cache():
+    """The KernelCache the backend uses for the current environment."""
+    from fusion_compiler import backend
+    from fusion_compiler.config import Config
+    return backend.kernel_cache(Config.from_env())

@@ -15,23 +15,11 @@ import pytest
 import torch
 
 import fusion_compiler
-from fusion_compiler import backend
 from fusion_compiler.config import Config, ConfigError
-from helpers import as_tuple, assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import (as_tuple, assert_close, compile_and_run, current_cache, kernel_count,
+                     leftover_aten)
 
 SUBPROCESS_TIMEOUT = 180
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    d = tmp_path / "kernel-cache"
-    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(d))
-    monkeypatch.setattr(backend, "_caches", {})
-    return d
-
-
-def current_cache():
-    return backend.kernel_cache(Config.from_env())
 
 
 def keys_of(reports):

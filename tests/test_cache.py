@@ -22,8 +22,7 @@ import torch
 import triton
 
 from fusion_compiler import backend
-from fusion_compiler.config import Config
-from helpers import assert_close, compile_and_run
+from helpers import assert_close, compile_and_run, current_cache
 
 # The model the cache tests compile: a softmax row kernel and a pointwise tail on another shape
 # (two kernels), identical in this process and in the child processes (the source is shared).
@@ -50,20 +49,6 @@ SUBPROCESS_TIMEOUT = 180
 
 
 # ------------------------------------------------------------------------------------ helpers
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """An empty cache folder for this test, and no KernelCache objects from earlier tests."""
-    d = tmp_path / "kernel-cache"
-    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(d))
-    monkeypatch.setattr(backend, "_caches", {})
-    return d
-
-
-def current_cache():
-    """The KernelCache the backend uses for the current environment."""
-    return backend.kernel_cache(Config.from_env())
-
-
 def forget_loaded_kernels(monkeypatch):
     """Drop the in-memory KernelCache objects: the next compile reads the disk like a new process."""
     monkeypatch.setattr(backend, "_caches", {})
