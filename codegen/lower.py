@@ -265,6 +265,9 @@ class Lowering:
             else:
                 printed.append(a)
         row_level = self.kind != "row" or any(v.row_level for v in tensors)
+        if t not in ops.CASTS and t != "aten.copy.default":
+            printed = self._promote_zero_dim(op, printed)
+            tensors = [p for p in printed if isinstance(p, Var)]
         if t in ops.CASTS or t == "aten.copy.default":
             src = tensors[-1]
             return self._assign(ops.cast(src.name, src.dtype, out.dtype), out.dtype, row_level, t)
@@ -302,6 +305,25 @@ class Lowering:
         dtype = torch.bool if is_compare else out.dtype
         return self._assign(ops.cast(expr, ct, dtype) if not is_compare else expr, dtype, row_level, t)
 
+    def _promote_zero_dim(self, op, printed):
+        """ATen's type promotion: a 0-dim tensor next to dimensioned ones of the same kind
+        (float, int, bool) takes their dtype first (bf16 x > fp32 0-dim 0.1 compares with
+        bf16(0.1)), as a Python scalar would."""
+        refs = [ref_id(a) for a in op.args]
+        dims = [p.dtype for p, r in zip(printed, refs) if r is not None and self.ir.values[r].shape != ()]
+        if not dims or len(dims) == sum(r is not None for r in refs):
+            return printed
+        common = dims[0]
+        for d in dims[1:]:
+            common = torch.promote_types(common, d)
+        out = []
+        for p, r in zip(printed, refs):
+            if (r is not None and self.ir.values[r].shape == () and p.dtype != common
+                    and 1 <= _category(p.dtype) <= _category(common)):   # masks stay bool
+                p = self._assign(ops.cast(p.name, p.dtype, common), common, p.row_level)
+            out.append(p)
+        return out
+
     def _as(self, p, ct: torch.dtype) -> str:
         """An operand (register or scalar) in compute dtype ``ct``."""
         if isinstance(p, Var):
@@ -328,6 +350,10 @@ class Lowering:
     def _name(self, prefix):
         self.counter += 1
         return f"{prefix}{self.counter}"
+
+
+def _category(dtype: torch.dtype) -> int:
+    return 2 if dtype.is_floating_point else (0 if dtype == torch.bool else 1)
 
 
 def _short(target: str) -> str:

@@ -23,7 +23,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if not groups:
         return gm
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    group_of = {n: g for g in groups for n in g.members}
+    # an op that a kernel recomputes but that also belongs to a group left on ATen is computed
+    # on ATen as well: that copy is the one ATen users read
+    on_aten = {n for g in ctx.groups if g.id not in ctx.launchers for n in g.members}
+    group_of = {n: g for g in groups for n in g.members if n not in on_aten}
     unit = lambda n: group_of[n].id if n in group_of else n  # noqa: E731
     dag = nx.DiGraph()
     first = {}

@@ -1,16 +1,20 @@
 """Property-based differential test: random programs, eager PyTorch vs ``backend="fusion"``.
 
 Hypothesis draws a random DAG of ops the compiler claims to fuse -- pointwise unary and binary
-ops with broadcasting operands, dtype casts, views (reshape/view, unsqueeze/squeeze,
-transpose/permute, slices, expand), ``cat`` along the last dim and last-dim reductions (with
-and without keepdim, then broadcast back) -- over random shapes (odd sizes included), dtypes
-(fp32/fp16/bf16, mixed) and input layouts (contiguous, transposed, sliced, offset, expanded).
-A program is Python source (``Program.source()``), so a failing example prints as a runnable
-reproducer. Each program runs eagerly and compiled with ``fullgraph=True``; we check:
+ops with broadcasting operands (incl. 0-dim tensors and Python scalars), dtype casts, views
+(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand), ``cat`` along the last
+dim, last-dim reductions (sum/mean/amax/amin, keepdim or not, then broadcast back; softmax) and
+now and then an op that stays on ATen (cumsum) -- over random shapes (odd sizes included),
+dtypes (fp32/fp16/bf16, mixed), input layouts (contiguous, transposed, sliced, offset,
+expanded) and FUSION_COMPILER_MAX_PERSISTENT_BLOCK (small values make rows use the looped
+kernel). A program is Python source (``Program.source()``), so a failing example prints as a
+runnable reproducer. Each program runs eagerly and compiled with ``fullgraph=True``; we check:
 
-* every output matches eager (shape, dtype, stride, NaN positions, values within tolerance);
+* every output matches eager (shape, dtype, strides, NaN positions, values within tolerance);
 * at least one kernel was generated when a live pointwise/reduction/cat op exists;
-* no pointwise/reduction/cat ATen op is left unfused unless ``groups_not_generated`` says why.
+* no pointwise/reduction/cat ATen op is left unfused unless ``groups_not_generated`` says why;
+* no generated kernel reads, after a loop, a value only the loop assigns (Triton rejects that on
+  the GPU; the interpreter, plain Python, would run it).
 
 Tolerance: the per-dtype ``TOL`` of helpers.py, plus a bound on how far eager and kernel may
 legitimately drift, propagated through the program (``error_bound``). Ops that are exact in
@@ -20,18 +24,20 @@ approximated differently, sums reduce in another order) add a few ulps, which la
 amplify (exp, division, products, sums over a row, a ``where`` whose comparison flips). A
 program of exact ops is compared at plain ``TOL``.
 
-Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); CI=1 makes the run derandomized.
-``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
+Open compiler bugs have xfail regression tests at the end of this file; the fuzzer can still
+draw programs that hit them, and ``check_program`` assume()s those away (``KNOWN_BUGS``).
+
+Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); with CI set the run is
+derandomized. ``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
 FUSION_FUZZ_EXAMPLES or 2000 examples.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
-import functools
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 
 import pytest
@@ -50,6 +56,7 @@ MAGNITUDE_LIMIT = 8192.0   # bound of |any value| (fp16 overflows at 65504)
 MAX_OPS = 12
 # Rows longer than this use the looped row kernel; small values make short rows loop too.
 DEFAULT_MAX_BLOCK = 16384
+LOOPED_MAX_ROWS = 64       # programs with more rows keep the default
 SCALARS = (0.5, 2.0, -1.5, 3.0, 0.1)
 COMPARES = (">", "<", ">=", "<=", "==", "!=")
 
@@ -222,9 +229,9 @@ class _Builder:
                          d(st.sampled_from([1.0, 1.0, 3.0, 0.25])),
                          d(st.sampled_from(["randn"] * 6 + ["quantized", "nan"])))
         self.inputs.append(spec)
-        self.vals[spec.name] = _Val(torch.empty_strided(
-            shape, make_tensor(shape, torch.float32, spec.layout, device="cpu").stride(), dtype=dtype,
-            device="meta"), 4.0 * spec.scale)
+        stride = make_tensor(shape, torch.float32, spec.layout, device="cpu").stride()
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        self.vals[spec.name] = _Val(meta, 4.0 * spec.scale)
         return spec.name
 
     def names(self):
@@ -288,7 +295,8 @@ class _Builder:
                 compatible.append((f"{n}.unsqueeze(-1)", n, a))
             elif lift_a and len(sn) >= 1 and sa == sn[:-1]:
                 compatible.append((n, n, f"{a}.unsqueeze(-1)"))
-        choices = ["input"] + (["value"] if compatible else []) + (["scalar"] if allow_scalar else [])
+        choices = (["input"] + (["value"] if compatible else [])
+                   + (["scalar"] if allow_scalar else []))
         how = d(st.sampled_from(choices))
         if how == "value":
             return compatible[len(compatible) - 1 - d(st.integers(0, len(compatible) - 1))]
@@ -382,12 +390,15 @@ class _Builder:
         return self.add(back, f"{a} {op} {rb}", [a, rb], ba * br if back == "mul" else ba + br,
                         {"scalar": None})
 
-    def view(self, a):
+    def cat(self, a):
+        return self.view(a, "cat")
+
+    def view(self, a, kind=None):
         d = self.draw
         sa = self.shape(a)
         r = len(sa)
-        kind = d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose", "permute",
-                                  "contiguous", "slice", "expand", "cat"]))
+        kind = kind or d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose",
+                                          "permute", "contiguous", "slice", "expand"]))
         b = self.bound(a)
         if kind == "reshape":
             how = d(st.sampled_from(["merge", "split", "flatten"]))
@@ -451,11 +462,15 @@ class _Builder:
             return None
         parts = [a]
         for _ in range(d(st.integers(1, 2))):
-            same = [n for n in self.names() if len(self.shape(n)) == r and self.shape(n)[:-1] == sa[:-1]]
+            same = [n for n in self.names()
+                    if len(self.shape(n)) == r and self.shape(n)[:-1] == sa[:-1]]
             if same and not _rare(d, 3):
                 parts.append(same[len(same) - 1 - d(st.integers(0, len(same) - 1))])
             else:
-                parts.append(self.new_input(sa[:-1] + (d(st.sampled_from(SIZES)),)))
+                n = d(st.sampled_from(SIZES))
+                if _numel(sa[:-1]) * n > MAX_NUMEL:
+                    n = 1
+                parts.append(self.new_input(sa[:-1] + (n,)))
         if _rare(d, 3):
             parts = parts[::-1]
         dim = d(st.sampled_from([-1, r - 1]))
@@ -485,7 +500,7 @@ def programs(draw):
     for _ in range(n_ops):
         a = b.pick()
         category = draw(st.sampled_from(["unary", "binary", "reduction", "view"] * 3
-                                        + ["binary", "opaque"]))
+                                        + ["binary", "cat", "opaque"]))
         out = getattr(b, category)(a)
         if out is None:                       # not applicable to this operand: a safe op
             b.add("tanh", f"torch.tanh({a})", [a], 1.0)
@@ -498,6 +513,11 @@ def programs(draw):
         outputs += draw(st.lists(st.sampled_from(inner), max_size=2, unique=True))
     seed = draw(st.integers(0, 2 ** 31 - 1))
     max_block = draw(st.sampled_from([DEFAULT_MAX_BLOCK] * 3 + [64, 8]))
+    rows = max((v.meta.numel() // max(v.meta.shape[-1], 1) for v in b.vals.values()
+                if v.meta.ndim), default=1)
+    if rows > LOOPED_MAX_ROWS:
+        # the looped kernel runs a program per row: slow in Triton's interpreter
+        max_block = DEFAULT_MAX_BLOCK
     return Program(seed, b.inputs, b.ops, outputs, max_block)
 
 
@@ -548,6 +568,15 @@ def error_bound(prog: Program, vals: dict) -> dict:
             err = ein + _flip(y, ein)
         elif k in ("add", "sub"):
             err = sum(es) + _flip(y, sum(es))
+            sc = op.params.get("scalar")
+            if sc is not None and y.device.type == "cpu" and y.dtype in (torch.float16,
+                                                                          torch.bfloat16):
+                # Not a compiler bug: eager on the CPU rounds a Python scalar to the tensor's
+                # dtype before adding (0.1 -> 0.10009765625 in bf16); CUDA's eager adds the fp32
+                # scalar, as the kernel does. Differs by the scalar's rounding error, then one
+                # ulp of the result.
+                rounded = torch.tensor(sc, dtype=torch.float64).to(y.dtype).double().item()
+                err += abs(sc - rounded) + 2 * UNIT[y.dtype] * _mx(y)
         elif k == "mul":
             ma, mb = (_mx(t) if t is not None else abs(op.params["scalar"]) for t in ins)
             err = es[0] * mb + es[1] * ma + es[0] * es[1] + _flip(y, sum(es))
@@ -607,6 +636,51 @@ def error_bound(prog: Program, vals: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- the check
+def loop_scope_errors(source: str) -> list:
+    """Names a @triton.jit function reads after a ``for`` loop that only the loop assigns.
+
+    Triton gives such a value no meaning after the loop (compiling for the GPU fails with
+    "operand does not dominate this use"), but Triton's interpreter runs the kernel as plain
+    Python, where loop variables leak out: on the CPU only this check sees the bug."""
+    errors = []
+    for fn in ast.parse(source).body:
+        if not isinstance(fn, ast.FunctionDef) or not any(
+                "jit" in ast.unparse(d) for d in fn.decorator_list):
+            continue
+
+        def visit(stmts, defined, loop_only):
+            for st in stmts:
+                if isinstance(st, ast.For):
+                    inner = set(defined) | {n.id for n in ast.walk(st.target)
+                                            if isinstance(n, ast.Name)}
+                    assigned = set()
+                    visit(st.body, inner, assigned)
+                    loop_only |= {n for n in inner | assigned if n not in defined}
+                    continue
+                if isinstance(st, ast.If):
+                    visit(st.body, defined, loop_only)
+                    visit(st.orelse, defined, loop_only)
+                    continue
+                for n in ast.walk(st):
+                    if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                            and n.id in loop_only and n.id not in defined):
+                        errors.append(f"{fn.name}, line {st.lineno}: {n.id} is assigned only "
+                                      f"inside a loop above")
+                defined |= {n.id for n in ast.walk(st)
+                            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+        visit(fn.body, {a.arg for a in fn.args.args}, set())
+    return errors
+
+
+def prog_shape(prog: Program, expr: str) -> tuple:
+    """Shape of an operand expression, on meta tensors."""
+    env = {i.name: torch.empty(i.shape, device="meta") for i in prog.inputs}
+    for op in prog.ops:
+        env[op.out] = eval(op.expr, {"torch": torch}, env)
+    return tuple(eval(expr, {"torch": torch}, env).shape)
+
+
 def _fused_name(target: str):
     parts = target.split(".")
     return parts[1] if len(parts) >= 3 else target
@@ -631,8 +705,21 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
             assert sa == se, f"{name}: strides {a.stride()} != eager {e.stride()}"
     if prog is None:
         return reports
+    for r in reports:
+        for k in r.kernels:
+            path = k.get("path")
+            if path and os.path.exists(path):
+                with open(path) as src:
+                    errors = loop_scope_errors(src.read())
+                assert not errors, f"kernel {path}: {errors}"
     live = prog.live_ops()
-    if any(op.compute for op in live):
+    not_generated = [why for r in reports for _, why in r.groups_not_generated]
+    size_one_keepdim = not_generated and all(
+        "used at another row" in why for why in not_generated) and any(
+        op.kind in ("sum", "mean", "amax", "amin") and op.params.get("keepdim")
+        and prog_shape(prog, op.args[0])[-1:] == (1,) for op in live)
+    # test_regression_keepdim_reduction_over_size_one_dim: such a reduction is never generated
+    if any(op.compute for op in live) and not size_one_keepdim:
         assert kernel_count(reports) >= 1, (
             f"no kernel generated; left on ATen: {leftover_aten(reports)}; "
             f"not generated: {[r.groups_not_generated for r in reports]}")
@@ -644,43 +731,46 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
     return reports
 
 
-def known_bug(prog: Program) -> str | None:
-    """Name of a listed (xfail regression) bug the program would hit, else None."""
+# ------------------------------------------------------------------ known (listed) bugs
+# Each predicate matches one bug that has an xfail regression test below; check_program
+# assume()s it away so that the default run stays green while the bug is open. Remove the
+# predicate together with the xfail marker when the bug is fixed.
+KNOWN_BUGS: dict = {}      # name -> predicate(prog, vals); empty: no open bug
+
+
+def known_bug(prog: Program, vals: dict) -> str | None:
+    """Name of a listed (xfail regression) bug the program hits, else None."""
+    for name, hits in KNOWN_BUGS.items():
+        if hits(prog, vals):
+            return name
     return None
 
 
 @contextlib.contextmanager
 def _max_block(n: int):
-    """FUSION_COMPILER_MAX_PERSISTENT_BLOCK=n for the compile, with a kernel cache folder of
-    its own: the cache key leaves this setting out (test_regression_cache_key_ignores_config),
-    so a shared cache would hand back kernels generated for another setting."""
-    keys = ("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "FUSION_COMPILER_CACHE_DIR")
-    saved = {k: os.environ.get(k) for k in keys}
-    base = saved["FUSION_COMPILER_CACHE_DIR"] or _default_cache_root()
+    """FUSION_COMPILER_MAX_PERSISTENT_BLOCK=n while compiling."""
+    key = "FUSION_COMPILER_MAX_PERSISTENT_BLOCK"
+    saved = os.environ.get(key)
     if n != DEFAULT_MAX_BLOCK:
-        os.environ[keys[0]] = str(n)
-        os.environ[keys[1]] = os.path.join(base, f"max-block-{n}")
+        os.environ[key] = str(n)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@functools.lru_cache(maxsize=None)
-def _default_cache_root() -> str:
-    return tempfile.mkdtemp(prefix="fc-fuzz-cache-")
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 def check_program(prog: Program):
     note(repr(prog))
-    assume(known_bug(prog) is None)
     fn = prog.build()
     args = prog.make_inputs()
     vals = prog.build(trace=True)(*args)
+    bug = known_bug(prog, vals)
+    if bug:
+        note(f"hits known bug: {bug}")
+    assume(bug is None)
     bounds = error_bound(prog, vals)
     with _max_block(prog.max_block):
         check_program_fn(fn, args, prog, bounds)
@@ -710,5 +800,53 @@ def test_fuzz_programs_slow(pytestconfig):
 
 
 # ---------------------------------------------------------------------- regressions
-# Minimal reproducers of compiler bugs the fuzzer found (xfail until fixed; strict so that a
-# fix is noticed and the matching ``known_bug`` assume() is removed).
+# Minimal reproducers of the compiler bugs the fuzzer found: xfail while open (strict, so a fix
+# is noticed: then drop the marker and the bug's predicate in KNOWN_BUGS / check_program_fn).
+
+
+# Fixed: relu(NaN) was 0 in the kernel (tl.where(x > 0, x, 0)); eager gives NaN.
+def test_regression_relu_nan():
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0], device=DEVICE)
+    check_program_fn(lambda x: (torch.relu(x),), [x])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="bug: a keepdim=True reduction over a last dim of size 1 is never "
+                          "generated ('a reduction result is used at another row than the one it "
+                          "reduces'): it stays on ATen")
+def test_regression_keepdim_reduction_over_size_one_dim():
+    x = torch.randn(4, 1, device=DEVICE)
+    reports = check_program_fn(lambda x: (x.amax(-1, keepdim=True),), [x])
+    assert kernel_count(reports) == 1, [r.groups_not_generated for r in reports]
+
+
+# Fixed: a 0-dim tensor operand of another dtype (left out of type promotion) was not converted
+# to the op's dtype first, as eager does: bf16 x > fp32 0.1 compared in fp32.
+def test_regression_zero_dim_operand_of_other_dtype():
+    x = torch.tensor([0.10009765625, 1.0, -1.0], dtype=torch.bfloat16, device=DEVICE)
+    s = torch.tensor(0.1, device=DEVICE)            # fp32, 0-dim
+    # eager: x > bf16(0.1) = 0.10009765625 is False for x[0] -> -x; the kernel says True
+    check_program_fn(lambda x, s: (torch.where(x > s, x, -x),), [x, s])
+
+
+# Fixed: compiling raised KeyError in passes/partition.py: the producer recomputed in the
+# transposed consumer's kernel read the amax, which the reduction's kernel did not write.
+def test_regression_recomputed_producer_reads_reduction_of_other_group():
+    x = torch.randn(2, 64, device=DEVICE)
+
+    def f(x):
+        v = x * x.amax(-1, keepdim=True)
+        return v.t().neg(), v.sum(-1)
+    check_program_fn(f, [x])
+
+
+# Fixed: compiling raised KeyError in passes/partition.py when an op recomputed in a kernel also
+# belonged to a group left on ATen (cat of a value and a value computed from it).
+def test_regression_cat_of_value_and_its_consumer():
+    x, y = torch.randn(4, 2, device=DEVICE), torch.randn(4, 2, device=DEVICE)
+
+    def f(x, y):
+        a = x + y
+        b = torch.neg(a)
+        return torch.cat([a, b], dim=-1), torch.abs(b)
+    check_program_fn(f, [x, y])
