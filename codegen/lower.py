@@ -24,7 +24,7 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import broadcast_index, view_index
+from .indexing import INDEX_OPS as _INDEX_OPS, broadcast_index, view_index
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
@@ -369,62 +369,3 @@ def _flat(args):
         else:
             yield a
 
-
-def _slice(index, args, shape):
-    dim = args[1] % len(shape) if len(args) > 1 else 0
-    start = args[2] if len(args) > 2 and args[2] is not None else 0
-    step = args[4] if len(args) > 4 else 1
-    start = sympy.sympify(start)
-    if start.is_Integer and start < 0:
-        start = shape[dim] + start
-    return index[:dim] + (start + index[dim] * step,) + index[dim + 1:]
-
-
-def _select(index, args, shape):
-    dim = args[1] % len(shape)
-    i = sympy.sympify(args[2])
-    if i.is_Integer and i < 0:
-        i = shape[dim] + i
-    return index[:dim] + (i,) + index[dim:]
-
-
-def _unsqueeze(index, args, shape):
-    dim = args[1] % (len(shape) + 1)
-    return index[:dim] + index[dim + 1:]
-
-
-def _squeeze(index, args, shape):
-    if len(args) < 2:
-        dims = {d for d, s in enumerate(shape) if s == 1}
-    else:
-        dims = args[1] if isinstance(args[1], tuple) else (args[1],)
-        dims = {d % max(len(shape), 1) for d in dims if shape and shape[d % len(shape)] == 1}
-    it = iter(index)
-    return tuple(sympy.Integer(0) if d in dims else next(it) for d in range(len(shape)))
-
-
-def _permute(index, args, shape):
-    out = [None] * len(shape)
-    for k, d in enumerate(args[1]):
-        out[d % len(shape)] = index[k]
-    return tuple(out)
-
-
-def _transpose(index, args, shape):
-    if len(shape) < 2:
-        return index
-    a, b = (args[1] % len(shape), args[2] % len(shape)) if len(args) > 2 else (0, 1)
-    out = list(index)
-    out[a], out[b] = index[b], index[a]
-    return tuple(out)
-
-
-_INDEX_OPS = {
-    "aten.slice.Tensor": _slice, "aten.select.int": _select,
-    "aten.unsqueeze.default": _unsqueeze, "aten.squeeze.dim": _squeeze,
-    "aten.squeeze.dims": _squeeze, "aten.squeeze.default": _squeeze,
-    "aten.permute.default": _permute, "aten.t.default": _transpose,
-    "aten.transpose.int": _transpose,
-    "aten.alias.default": lambda index, args, shape: index,
-    "aten.detach.default": lambda index, args, shape: index,
-}

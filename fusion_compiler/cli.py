@@ -98,6 +98,7 @@ def main(argv=None) -> int:
         print(__version__)
         return 0
     if args.command == "calibrate":
+        from .cli_bench import calibrate_command
         return calibrate_command(args)
     if args.command == "bench":
         from .cli_bench import command as bench_command
@@ -121,29 +122,6 @@ def main(argv=None) -> int:
             f"internal error, please report it: {_describe(exc)} (--debug shows the traceback)")
         print(f"fusion-compiler: error: {message}", file=sys.stderr)
         return getattr(exc, "status", 1)
-    return 0
-
-
-def calibrate_command(args) -> int:
-    import torch
-
-    from .calibrate import calibrate
-    from .config import Config
-
-    if not torch.cuda.is_available():
-        print("fusion-compiler: error: calibrate measures a CUDA GPU and none is visible; "
-              "run it on the machine the models will run on", file=sys.stderr)
-        return 2
-    try:
-        profile, path = calibrate(Config.from_env().cache_dir)
-    except Exception as exc:        # noqa: BLE001 - one line unless --debug
-        if args.debug:
-            traceback.print_exception(exc)
-        print(f"fusion-compiler: error: calibration failed: {_describe(exc)}", file=sys.stderr)
-        return 1
-    print(f"{profile.name}: copy bandwidth {profile.hbm_bandwidth / 1e12:.2f} TB/s, launch "
-          f"overhead {profile.launch_overhead * 1e6:.2f} us, peak {profile.peak_flops / 1e12:.1f} "
-          f"TFLOP/s (fp32 vector estimate)\nstored in {path}")
     return 0
 
 

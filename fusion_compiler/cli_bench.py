@@ -1,4 +1,4 @@
-"""The `fusion-compiler bench` subcommand (argument handling; the timing is in bench.py)."""
+"""The GPU subcommands: `fusion-compiler bench` (timing in bench.py) and `calibrate`."""
 from __future__ import annotations
 
 import sys
@@ -67,3 +67,26 @@ def _model_target(target: str, dtype):
         factory, where = load_factory(target)
         model, inputs, _ = call_factory(factory, where, "cuda", dtype)
     return (target, model, lambda: inputs, False)
+
+
+def calibrate_command(args) -> int:
+    import torch
+
+    from .calibrate import calibrate
+    from .config import Config
+
+    if not torch.cuda.is_available():
+        print("fusion-compiler: error: calibrate measures a CUDA GPU and none is visible; "
+              "run it on the machine the models will run on", file=sys.stderr)
+        return 2
+    try:
+        profile, path = calibrate(Config.from_env().cache_dir)
+    except Exception as exc:        # noqa: BLE001 - one line unless --debug
+        if args.debug:
+            traceback.print_exception(exc)
+        print(f"fusion-compiler: error: calibration failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{profile.name}: copy bandwidth {profile.hbm_bandwidth / 1e12:.2f} TB/s, launch "
+          f"overhead {profile.launch_overhead * 1e6:.2f} us, peak {profile.peak_flops / 1e12:.1f} "
+          f"TFLOP/s (fp32 vector estimate)\nstored in {path}")
+    return 0
