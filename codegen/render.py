@@ -286,9 +286,11 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     extents = [sympy.Mul(*shape)] + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
                                      if not v.host_scalar]
     extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
-    dynamic = [e for e in extents if not sympy.sympify(e).is_Integer]
+    # one test per distinct extent: this runs on every call
+    dynamic = sorted({_py(sympy.expand(e)) for e in extents if not sympy.sympify(e).is_Integer})
     static64 = any(int(e) > INDEX_LIMIT for e in extents if sympy.sympify(e).is_Integer)
-    index64 = " or ".join(["True" if static64 else "False"] + [f"{_py(e)} > {INDEX_LIMIT}" for e in dynamic])
+    index64 = ("True" if static64 else
+               " or ".join(f"{e} > {INDEX_LIMIT}" for e in dynamic) or "False")
     ptrs = ", ".join(ins + outs)
     if kind == "pointwise":
         args = ", ".join([ptrs] + kernels["pointwise"] + ["numel"])
