@@ -58,6 +58,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     view = GraphView(gm)
     data = [n for n in gm.graph.nodes if view.is_data(n)]
     group_of, groups = {}, {}
+    view.groups = groups
     for i, n in enumerate(data):
         groups[i] = analyze(FusionGroup(i, frozenset([n])), view, ctx)
         group_of[n] = i
@@ -104,7 +105,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             if p not in groups or any(x not in groups for x in c) or set(c) != succ[p]:
                 continue
             next_id, new_ids = _apply_recompute(p, c, merged, groups, group_of, succ, pred, unit,
-                                                next_id, ctx, -neg_score)
+                                                next_id, ctx, -neg_score, view)
             for m in new_ids:
                 for x in succ[m]:
                     push(m, x)
@@ -249,7 +250,7 @@ def _recompute_candidate(groups, p, consumers, view, ctx):
 
 
 def _apply_recompute(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx,
-                     score):
+                     score, view):
     """Replace producer group p by a copy of its ops inside each consumer (if all are legal)."""
     prod = groups[p]
     try:
@@ -261,6 +262,7 @@ def _apply_recompute(p, consumers, merged, groups, group_of, succ, pred, unit, n
         return next_id, []
     ctx.decisions.append(_recompute_decision(prod, consumers, groups, merged, score, True,
                                              "recomputed in each consumer"))
+    view.recomputed_anywhere |= prod.members
     producers = pred.pop(p, set())
     succ.pop(p)
     for x in producers:

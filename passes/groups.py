@@ -43,6 +43,9 @@ class GraphView:
     def __init__(self, gm: torch.fx.GraphModule):
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.kind = {n: n.meta.get("fc_kind", OpKind.OPAQUE) for n in gm.graph.nodes}
+        # set by the fuse pass: ops some group computes again, and the current groups
+        self.recomputed_anywhere: set = set()
+        self.groups: dict = {}
 
     def is_data(self, n) -> bool:
         return self.kind.get(n) in DATA
@@ -76,6 +79,15 @@ class GraphView:
         return out
 
 
+def _copy_elsewhere(c, m, members, view) -> bool:
+    """True if another group computes its own copy of ``c`` (recomputation) without ``m``: that
+    copy reads ``m`` from memory, so ``m`` must be written."""
+    if c not in view.recomputed_anywhere:
+        return False
+    return any(c in g.members and m not in g.members and not g.members <= members
+               for g in view.groups.values())
+
+
 def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     """Fill in nodes, inputs, outputs and cost of a group."""
     members = group.members
@@ -99,7 +111,8 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     group.inputs = sorted(inputs, key=view.order.__getitem__)
     # a recomputed member is computed again by every group that reads it: never written
     group.outputs = sorted((m for m in members if m in group.extra_outputs or (
-        m not in group.recomputed and any(c not in members for c in view.consumers(m)))),
+        m not in group.recomputed and any(c not in members or _copy_elsewhere(c, m, members, view)
+                                          for c in view.consumers(m)))),
         key=view.order.__getitem__)
     passes, row_inputs = _looped_passes(group, view, ctx)
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,

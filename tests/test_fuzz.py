@@ -723,6 +723,11 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
         assert kernel_count(reports) >= 1, (
             f"no kernel generated; left on ATen: {leftover_aten(reports)}; "
             f"not generated: {[r.groups_not_generated for r in reports]}")
+    # The fuse pass only merges what the code generator can make one kernel of, so a group of
+    # several ops that is then not generated is a fusion bug (its ops all fall back to ATen).
+    dropped = [(ops, why) for r in reports for ops, why in r.groups_not_generated
+               if len(ops) > 1]
+    assert not dropped, f"groups of several ops formed but not generated: {dropped}"
     explained = {t for r in reports for ops, _ in r.groups_not_generated for t in ops}
     unexplained = [t for t in leftover_aten(reports)
                    if _fused_name(t) in FUSED_OP_NAMES and t not in explained]
@@ -850,3 +855,26 @@ def test_regression_cat_of_value_and_its_consumer():
         b = torch.neg(a)
         return torch.cat([a, b], dim=-1), torch.abs(b)
     check_program_fn(f, [x, y])
+
+
+def _two_shapes(x, s):
+    v1 = torch.sqrt(torch.abs(x) + 1)
+    v2 = torch.sqrt(torch.abs(v1) + 1)
+    return v1 * 2, v2.t().contiguous()
+
+
+def _zero_dim_extra_output(x, s):
+    v0 = x / (torch.abs(s) + 0.5)
+    return (torch.cat([v0 / (v0.sum(1, keepdim=True).abs() + 0.5), x], -1),)
+
+
+# Fixed: a producer recomputed in another kernel made its group write an extra output
+# (fuse._expose_recompute_inputs); the group could then no longer be one kernel (outputs of
+# shapes (41, 7) and (7, 41); a 0-dim output next to a row reduction), was not generated, and
+# all its ops ran on ATen.
+@pytest.mark.parametrize("fn", [_two_shapes, _zero_dim_extra_output])
+def test_regression_recompute_exposed_output_makes_group_illegal(fn):
+    x, s = torch.randn(7, 41, device=DEVICE), torch.randn((), device=DEVICE)
+    reports = check_program_fn(fn, [x, s])
+    assert not [g for r in reports for g in r.groups_not_generated]
+    assert not leftover_aten(reports)
