@@ -144,3 +144,8 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
                   tuple(ids[n] for n in outputs), tuple(canon.mapping.values()))
     graph_symbols = tuple(canon.mapping.keys())
     return ir, graph_symbols
+
+
+def canonical_hints(graph_symbols, ir: KernelIR, size_hints: dict) -> dict:
+    """Size hints keyed by the IR's canonical symbols (k0, k1, ...)."""
+    return {k: size_hints.get(s, 1) for s, k in zip(graph_symbols, ir.symbols)}

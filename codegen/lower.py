@@ -24,7 +24,7 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import INDEX_OPS as _INDEX_OPS, broadcast_index, view_index
+from .indexing import INDEX_OPS as _INDEX_OPS, broadcast_index, print_expr, view_index
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
@@ -329,12 +329,8 @@ class Lowering:
         if isinstance(p, Var):
             return ops.cast(p.name, p.dtype, ct if ct not in ops.ROUNDED else torch.float32)
         if isinstance(p, sympy.Expr):
-            return f"({self.index_code(p)} * {'1.0' if ct.is_floating_point else '1'})"
+            return f"({print_expr(p)} * {'1.0' if ct.is_floating_point else '1'})"
         return ops.literal(p, ct)
-
-    def index_code(self, e):
-        from .indexing import print_expr
-        return print_expr(e)
 
     def _assign(self, expr, dtype, row_level, op=None) -> Var:
         if expr.isidentifier():     # a cast that changes nothing: same register

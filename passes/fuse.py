@@ -32,7 +32,7 @@ from collections import defaultdict
 import networkx as nx
 import torch
 
-from ..codegen.kernel_ir import NotFusable, build_kernel_ir
+from ..codegen.kernel_ir import NotFusable, build_kernel_ir, canonical_hints
 from ..codegen.lower import Lowering
 from .classify import OpKind
 from .groups import DATA, FusionGroup, GraphView, analyze
@@ -45,12 +45,9 @@ def check_legal(group: FusionGroup, ctx) -> None:
     if not group.outputs:
         raise NotFusable("group has no outputs")
     ir, syms = build_kernel_ir(group.nodes, group.inputs, group.outputs)
-    Lowering(ir, _canon_hints(syms, ir, ctx.size_hints), persistent=True).run()
+    Lowering(ir, canonical_hints(syms, ir, ctx.size_hints), persistent=True).run()
     group.ir, group.graph_symbols = ir, syms
 
-
-def _canon_hints(graph_syms, ir, size_hints):
-    return {k: size_hints.get(s, 1) for s, k in zip(graph_syms, ir.symbols)}
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:

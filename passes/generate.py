@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..codegen.kernel_ir import canonical_hints
 from ..codegen.render import generate
 from .partition import symbols_available
 
@@ -24,7 +25,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if not symbols_available(g, placeholders):
             g.error = "a size symbol is not readable from the graph inputs"
             continue
-        hints = {k: ctx.size_hints.get(s, 1) for s, k in zip(g.graph_symbols, g.ir.symbols)}
+        hints = canonical_hints(g.graph_symbols, g.ir, ctx.size_hints)
         title = label(g)
         # everything the source depends on besides the IR goes into the key
         key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block))
