@@ -132,6 +132,30 @@ def coalesce(syms: list, sizes: list, exprs: list, protected: set = frozenset())
     return [s for s, _ in dims], [n for _, n in dims], exprs
 
 
+def flatten_index(expr, syms: list, sizes: list, lin):
+    """``expr``, written in the row-major iteration dims ``syms`` of ``sizes``, in terms of the
+    linear index ``lin`` those dims are taken from.
+
+    The innermost dims that ``expr`` walks contiguously (coefficients c, c*n_last, ...) become
+    one ``c * (lin % span)`` (``c * lin`` when that is every dim) instead of a div and a mod per
+    dim: exact, and it lets Triton see a contiguous access and vectorise it."""
+    subs = dict(zip(syms, delinearize(lin, sizes)))
+    expr = sympy.sympify(expr)
+    if not isinstance(expr, sympy.Expr):    # a predicate: left as div/mod per dim
+        return expr.xreplace(subs)
+    co = affine_coeffs(expr, set(syms)) if syms else None
+    c = co.get(syms[-1], 0) if co else 0
+    if c == 0:
+        return expr.xreplace(subs)
+    k, span = len(syms) - 1, sizes[-1]
+    while k > 0 and sympy.simplify(co.get(syms[k - 1], 0) - c * span) == 0:
+        k -= 1
+        span = span * sizes[k]
+    rest = sympy.expand(expr) - sum(co.get(s, 0) * s for s in syms[k:])
+    flat = lin if k == 0 else ModularIndexing(lin, sympy.Integer(1), span)
+    return rest.xreplace(subs) + c * flat
+
+
 def flat_index_subs(syms, sizes, linear):
     """{sym: expression in ``linear``} for dims iterated in row-major order by one linear index."""
     return dict(zip(syms, delinearize(linear, sizes)))

@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import coalesce, delinearize, print_expr
+from .indexing import coalesce, flatten_index, print_expr
 from .kernel_ir import KernelIR
 from .lower import COL, Lowering, LoweredKernel, iteration_space
 
@@ -81,12 +81,12 @@ def _render_kernel(lk: LoweredKernel, name: str):
     protected = set().union(*(p.free_symbols for p in preds)) if preds else set()
     new_syms, new_sizes, _ = coalesce(syms, sizes, exprs, protected)
     subs = {s: sympy.Integer(0) for s in syms if s not in new_syms}
-    subs.update(dict(zip(new_syms, delinearize(RINDEX if row else XINDEX, new_sizes))))
     subs[COL] = COLS
+    lin = RINDEX if row else XINDEX
     vec = {RINDEX, COLS} if row else {XINDEX}
 
     def idx(e):
-        return sympy.sympify(e).xreplace(subs)
+        return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
 
     def mask_of(parts_syms, pred_set):
         parts = []
@@ -173,9 +173,10 @@ def _render_kernel(lk: LoweredKernel, name: str):
         nospec = '"R"'
     else:
         params += ["numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
-        nospec = '"numel"'
+        nospec = None   # Triton specializes numel % 16 == 0: the mask then keeps loads vectorised
     sig = "\n".join("    " + p for p in params)
-    src = f"@triton.jit(do_not_specialize=[{nospec}])\ndef {name}(\n{sig}\n):\n{code}"
+    deco = f"@triton.jit(do_not_specialize=[{nospec}])" if nospec else "@triton.jit"
+    src = f"{deco}\ndef {name}(\n{sig}\n):\n{code}"
     return src, size_args
 
 

@@ -144,6 +144,21 @@ def make_model_and_inputs(device="cpu", dtype=torch.float32, batch=2, seq=16, **
     return model, (input_ids,)
 
 
+# The benchmark sizes of the performance issue: 8 layers, hidden 2048, GQA 16/4 heads.
+BENCH_CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=8,
+                    num_heads=16, num_kv_heads=4, max_seq_len=1024)
+
+
+def bench_4x1024(device="cpu", dtype=torch.bfloat16):
+    """The throughput case: batch 4 x 1024 tokens."""
+    return make_model_and_inputs(device, dtype, batch=4, seq=1024, **BENCH_CONFIG)
+
+
+def bench_1x128(device="cpu", dtype=torch.bfloat16):
+    """The launch-bound case: batch 1 x 128 tokens."""
+    return make_model_and_inputs(device, dtype, batch=1, seq=128, **BENCH_CONFIG)
+
+
 def main() -> int:
     import fusion_compiler
 
