@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import functools
 
+import torch
+from triton import knobs
+
+from .triton_lib import INTERPRET
+
 LOOPED_RBLOCK = 2048        # columns per loop step of a looped row kernel
 ROW_ELEMS = 4096            # elements a persistent row program aims to hold (rows x RBLOCK)
 POINTWISE_BLOCK = 1024
@@ -43,3 +48,23 @@ def pointwise_settings(numel: int):
     """(BLOCK, num_warps) for a pointwise kernel over ``numel`` elements."""
     block = min(POINTWISE_BLOCK, _next_pow2(numel))
     return block, max(1, min(4, block // 128))
+
+
+# ---------------------------------------------------------------------------------- lean launches
+# Triton's `kernel[grid](...)` binds and specializes every argument on each call (microseconds
+# each, the whole cost of a small kernel). A generated launcher goes through it once per
+# specialization and then calls the compiled kernel directly; its key refines Triton's own:
+# 16-byte alignment of each input pointer, % 16 and == 1 of each specialized integer, the
+# constexprs, the warps, 64-bit indexing, the device. Not in the interpreter, and not while
+# Triton launch hooks are set (a profiler such as proton must see every launch).
+LEAN = not INTERPRET and torch.cuda.is_available()
+current_device = torch._C._cuda_getDevice if LEAN else (lambda: 0)
+raw_stream = torch._C._cuda_getCurrentRawStream if LEAN else None
+
+
+def remember(table: dict, key: tuple, kernel) -> None:
+    """Keep ``kernel`` (what ``kernel[grid](...)`` returned) for direct relaunches under ``key``."""
+    rt = knobs.runtime
+    if (LEAN and kernel is not None and getattr(kernel, "function", None) is not None
+            and rt.launch_enter_hook is None and rt.launch_exit_hook is None):
+        table[key] = kernel

@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 
 from fusion_compiler.codegen import triton_lib as fl
-from fusion_compiler.codegen.launch import pointwise_settings, row_settings
+from fusion_compiler.codegen.launch import (current_device, pointwise_settings, raw_stream,
+                                            remember, row_settings)
 """
 
 
@@ -277,8 +278,16 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     lines = [f"def launch({', '.join(ins + syms)}):"]
     # 0-dim CPU tensors reach a GPU kernel by value
-    ins = [f"in{i}.item()" if v.host_scalar else f"in{i}" for i, v in enumerate(ir.inputs)]
-    outs = []
+    spec = []       # the lean launch key: what Triton specializes each argument on
+    for i, v in enumerate(ir.inputs):
+        if v.host_scalar:
+            lines.append(f"    s{i} = in{i}.item()")
+            ins[i] = f"s{i}"
+            if not v.dtype.is_floating_point and v.dtype != torch.bool:
+                spec += [f"s{i} & 15", f"s{i} == 1"]
+        else:
+            spec.append(f"in{i}.data_ptr() & 15")
+    outs = []       # fresh allocations: always 16-byte aligned, no key part needed
     for p, o in enumerate(ir.outputs):
         v = ir.values[o]
         lines.append(f"    out{p} = torch.empty_strided(({''.join(_py(s) + ', ' for s in v.shape)}), "
@@ -292,30 +301,50 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     static64 = any(int(e) > INDEX_LIMIT for e in extents if sympy.sympify(e).is_Integer)
     index64 = ("True" if static64 else
                " or ".join(f"{e} > {INDEX_LIMIT}" for e in dynamic) or "False")
-    ptrs = ", ".join(ins + outs)
+    ptrs = ins + outs
+
+    def launch(name, grid, runtime, constexprs, settings, ind):
+        """Lines launching ``name``: through Triton once per key, then directly."""
+        ints = [a for a in runtime if a != "R"]     # R is not specialized (do_not_specialize)
+        key = ", ".join(["dev", *settings, "index64", *spec]
+                        + [f"{a} & 15, {a} == 1" for a in ints])
+        pos = ", ".join(ptrs + runtime + constexprs)
+        kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs[:-1]]
+                       + ["INDEX64=index64", "num_warps=num_warps"])
+        pad = " " * ind
+        return [f"{pad}key = ({key},)",
+                f"{pad}kernel = _COMPILED_{name}.get(key)",
+                f"{pad}if kernel is None:",
+                f"{pad}    remember(_COMPILED_{name}, key, _{name}_kernel[({grid},)]({kw}))",
+                f"{pad}else:",
+                f"{pad}    kernel.run({grid}, 1, 1, raw_stream(dev), kernel.function, "
+                f"kernel.packed_metadata, None, None, None, {pos})"]
+
+    lines += [f"    index64 = {index64}", "    dev = current_device()"]
     if kind == "pointwise":
-        args = ", ".join([ptrs] + kernels["pointwise"] + ["numel"])
         lines += [f"    numel = {_py(sympy.Mul(*shape))}",
                   "    if numel > 0:",
                   "        BLOCK, num_warps = pointwise_settings(numel)",
-                  "        grid = (triton.cdiv(numel, BLOCK),)",
-                  f"        _pointwise_kernel[grid]({args}, BLOCK=BLOCK, INDEX64={index64}, num_warps=num_warps)"]
+                  "        grid = (numel + BLOCK - 1) // BLOCK"]
+        lines += launch("pointwise", "grid", kernels["pointwise"] + ["numel"],
+                        ["BLOCK", "index64"], ["BLOCK", "num_warps"], 8)
     else:
         lines += [f"    R = {_py(sympy.Mul(*shape[:-1]))}",
                   f"    N = {_py(shape[-1])}",
                   "    if R > 0:",
                   f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block})",
-                  "        grid = (triton.cdiv(R, XBLOCK),)"]
+                  "        grid = (R + XBLOCK - 1) // XBLOCK"]
         calls = []
         for name in ("persistent", "looped"):
             if name in kernels:
-                a = ", ".join([ptrs] + kernels[name] + ["R", "N"])
-                calls.append((name, f"_{name}_kernel[grid]({a}, XBLOCK=XBLOCK, RBLOCK=RBLOCK, "
-                                    f"INDEX64={index64}, num_warps=num_warps)"))
+                calls.append((name, kernels[name] + ["R", "N"]))
+        settings = ["XBLOCK", "RBLOCK", "num_warps"]
+        constexprs = ["XBLOCK", "RBLOCK", "index64"]
         if len(calls) == 1:
-            lines.append(f"        {calls[0][1]}")
+            lines += launch(calls[0][0], "grid", calls[0][1], constexprs, settings, 8)
         else:
-            lines += ["        if looped:", f"            {calls[1][1]}", "        else:",
-                      f"            {calls[0][1]}"]
+            lines += ["        if looped:"] + launch(calls[1][0], "grid", calls[1][1], constexprs, settings, 12)
+            lines += ["        else:"] + launch(calls[0][0], "grid", calls[0][1], constexprs, settings, 12)
     lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
-    return "\n".join(lines)
+    tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)
+    return tables + "\n\n" + "\n".join(lines)

@@ -16,7 +16,8 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from .config import Config
+from . import cudagraphs
+from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
 from .report import GraphReport, aten_compute_ops, publish
 from .summary import summarize
@@ -125,14 +126,24 @@ def _run_passes(gm, ctx, runs_kernels: bool):
 
 def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """torch.compile backend entry point (registered as "fusion")."""
-    config = Config.from_env()
+    config = with_compile_args(Config.from_env(), kwargs.pop("mode", None),
+                               kwargs.pop("options", None))
+    if kwargs:
+        raise ConfigError(f"the fusion backend takes mode= and options=, not {', '.join(kwargs)}")
     if config.disable:
         return gm.forward
 
     def compiler(kind):
         def compile_fn(aten_gm, _example_inputs):
             # boxed: aot_autograd passes the argument list itself, so inputs can be freed early
-            return make_boxed_func(compile_aten_graph(aten_gm, kind, config))
+            fn = make_boxed_func(compile_aten_graph(aten_gm, kind, config))
+            if config.cudagraphs:
+                reason = cudagraphs.why_not(aten_gm, kind)
+                if reason is None:
+                    return cudagraphs.CudaGraphRunner(fn, f"{kind} graph",
+                                                      cudagraphs.static_input_indices())
+                log.info("fusion-compiler: %s graph not captured in a CUDA graph: %s", kind, reason)
+            return fn
         return compile_fn
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
                "of them, or a model as in `dump` (file.py, file.py:factory, module:factory).")
     b.add_argument("targets", metavar="TARGET", nargs="+")
     b.add_argument("--compare", default="eager,inductor,fusion",
-                   help="comma-separated backends (default: eager,inductor,fusion)")
+                   help="comma-separated, from eager, inductor, fusion, inductor-cg, fusion-cg "
+                        "(-cg: CUDA graphs, mode='reduce-overhead'); default: eager,inductor,fusion")
     b.add_argument("--mode", choices=("inference", "training"), default="inference")
     b.add_argument("--rows", type=int, help="rows of the patterns (default: the anchor sizes)")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
@@ -50,7 +51,7 @@ def command(args) -> int:
                     fn, make = bench.pattern_target(name, args.rows, dtype)
                     targets.append((name, fn, make, True))
                 else:
-                    targets.append(_model_target(name, dtype))
+                    targets.append(_model_target(name, args.dtype))
         bench.run(targets, backends, args.mode, args.output)
     except Exception as exc:        # noqa: BLE001 - one line unless --debug
         if args.debug:

@@ -36,6 +36,9 @@ class Config:
     # Cost model device profile: a name from passes/cost_model.PROFILES, or "auto" (the stored
     # calibration of the visible GPU, else its model's defaults; h200 numbers without a GPU).
     profile: str = "auto"
+    # Capture inference graphs with static shapes into CUDA graphs (fusion_compiler/cudagraphs.py);
+    # also set by torch.compile(..., mode="reduce-overhead").
+    cudagraphs: bool = False
 
     @staticmethod
     def from_env(env=None) -> "Config":
@@ -55,6 +58,34 @@ class Config:
                 raise ConfigError(f"FUSION_COMPILER_PROFILE={updates['profile']!r}: expected one "
                                   f"of {', '.join((*PROFILES, 'auto'))}")
         return replace(cfg, **updates)
+
+
+MODES = {"default": {}, "reduce-overhead": {"cudagraphs": True},
+         "max-autotune": {"cudagraphs": True}, "max-autotune-no-cudagraphs": {}}
+
+
+def with_compile_args(config: Config, mode=None, options=None) -> Config:
+    """``config`` updated by torch.compile's ``mode=`` and ``options=`` for this backend."""
+    updates = {}
+    if mode is not None:
+        if mode not in MODES:
+            raise ConfigError(f"torch.compile(mode={mode!r}): the fusion backend knows "
+                              f"{', '.join(MODES)}")
+        updates.update(MODES[mode])
+    known = {f.name: f.type for f in fields(Config)}
+    for name, value in (options or {}).items():
+        if name not in known:
+            raise ConfigError(f"torch.compile(options={{{name!r}: ...}}): unknown option; the "
+                              f"fusion backend's options are {', '.join(known)}")
+        typ = {"bool": bool, "int": int, "str": str}.get(known[name])
+        if name == "cache_dir" and isinstance(value, (str, os.PathLike)):
+            value = Path(value).expanduser()
+        elif typ is not None and not (isinstance(value, typ) and
+                                      (typ is not int or not isinstance(value, bool))):
+            raise ConfigError(f"torch.compile(options={{{name!r}: {value!r}}}): expected "
+                              f"{known[name]}")
+        updates[name] = value
+    return replace(config, **updates)
 
 
 def _parse(name: str, raw: str, typ: str):

@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -311,3 +312,54 @@ def test_training_gradients_match_eager(device):
     assert kernel_count(reports, "forward") >= 1
     assert kernel_count(reports, "backward") >= 1
     assert all(r.ran_kernels for r in reports)
+
+
+# ----------------------------------------------------------- torch.compile's mode= and options=
+def test_compile_mode_and_options_set_the_config():
+    from fusion_compiler.config import with_compile_args
+    base = Config.from_env({})
+    assert with_compile_args(base, "reduce-overhead").cudagraphs is True
+    assert with_compile_args(base, "default").cudagraphs is False
+    cfg = with_compile_args(base, None, {"cudagraphs": True, "max_group_ops": 7})
+    assert cfg.cudagraphs is True and cfg.max_group_ops == 7
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"mode": "turbo"}, "mode='turbo'"),
+    ({"options": {"cuda_graphs": True}}, "unknown option"),
+    ({"options": {"max_group_ops": "7"}}, "expected int"),
+    ({"options": {"cudagraphs": 1}}, "expected bool"),
+])
+def test_bad_compile_mode_or_option_is_a_clear_error(kwargs, match, device):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a: a.relu() + 1, backend="fusion", **kwargs)
+    with pytest.raises(Exception) as info:
+        fn(torch.randn(4, 8, device=device))
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    errors = [c for c in chain if isinstance(c, ConfigError)]
+    assert errors and re.search(match, str(errors[0])), [str(c) for c in chain]
+
+
+def test_cudagraphs_are_not_used_where_unsafe():
+    """The reasons are checked on the CPU: a training graph, a CPU graph, a random op."""
+    from fusion_compiler import cudagraphs
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    assert "inference" in cudagraphs.why_not(gm, "forward")
+    captured = {}
+
+    def grab(gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+        def keep(g, _):
+            captured["g"] = g
+            return g
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(lambda x: torch.rand_like(x) + x, backend=grab)(torch.randn(3))
+    assert "rand" in cudagraphs.why_not(captured["g"], "inference")
+    with torch.no_grad():
+        torch.compile(lambda x: x * 2 + x, backend=grab)(torch.randn(3))
+    assert "cpu tensor" in cudagraphs.why_not(captured["g"], "inference")

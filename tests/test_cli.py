@@ -389,3 +389,14 @@ def test_decisions_are_logged_while_torch_compile_runs(caplog):
     torch.compile(lambda t: torch.softmax(t * 2.0, -1), backend="fusion")(x)
     text = "\n".join(r.getMessage() for r in caplog.records if r.name == "fusion_compiler")
     assert "fused groups (1)" in text and "softmax" in text and "totals" in text
+
+
+def test_bench_max_error_sees_nan_and_inf_mismatches():
+    import torch
+
+    from fusion_compiler.bench import max_error
+    nan, inf = float("nan"), float("inf")
+    assert max_error(torch.tensor([1.0, nan, inf]), torch.tensor([1.5, nan, inf])) == 0.5
+    assert max_error(torch.tensor([nan, 2.0]), torch.tensor([1.0, 2.0])) == inf
+    assert max_error(torch.tensor([inf]), torch.tensor([-inf])) == inf
+    assert max_error((torch.tensor([1.0]),), (torch.tensor([1.25]),)) == 0.25

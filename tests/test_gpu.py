@@ -46,3 +46,50 @@ def test_cpu_scalar_joins_gpu_kernel():
     out, reports = compile_and_run(AddEps(), (x,), dynamic=True)
     assert kernel_count(reports) == 1
     assert_close(out, AddEps()(x))
+
+
+def test_lean_relaunch_follows_alignment_and_size_changes():
+    """Repeat launches skip Triton's binding; a misaligned view or a size of another
+    divisibility class must still get a kernel specialized for it, never the cached one."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda g, u: PATTERNS["swiglu"](g, u), backend="fusion", dynamic=True)
+    base_g = torch.randn(4096 + 1, device="cuda", dtype=torch.bfloat16)
+    base_u = torch.randn(4096 + 1, device="cuda", dtype=torch.bfloat16)
+    for start, n in [(0, 4096), (0, 4096), (1, 4096), (1, 4095), (0, 4096), (1, 4000)]:
+        g, u = base_g[start:start + n], base_u[start:start + n]   # start=1: 2-byte aligned
+        assert_close(fn(g, u), PATTERNS["swiglu"](g, u), name=f"start={start} n={n}")
+
+
+def _tiny_llama():
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "examples"))
+    from llama import make_model_and_inputs
+    return make_model_and_inputs(device="cuda", dtype=torch.bfloat16, batch=2, seq=16)
+
+
+def test_cudagraphs_replay_matches_eager_and_keeps_old_outputs():
+    model, (ids,) = _tiny_llama()
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fusion", mode="reduce-overhead")
+    with torch.no_grad():
+        outs, refs = [], []
+        for step in range(5):
+            x = torch.randint(0, 256, ids.shape, device="cuda")
+            outs.append(fn(x))
+            refs.append(model(x))
+        for step, (o, r) in enumerate(zip(outs, refs)):      # earlier results still valid
+            assert_close(o, r, name=f"step {step}")
+        # weights moved to new storage: the graph is captured again, results stay right
+        model.lm_head.weight.data = model.lm_head.weight.data * 0.5
+        x = torch.randint(0, 256, ids.shape, device="cuda")
+        assert_close(fn(x), model(x), name="after new weights")
+
+
+def test_cudagraphs_option_is_used_only_where_safe():
+    model, (ids,) = _tiny_llama()
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fusion", options={"cudagraphs": True}, dynamic=True)
+    with torch.no_grad():
+        for seq in (16, 24):
+            x = torch.randint(0, 256, (2, seq), device="cuda")
+            assert_close(fn(x), model(x), name=f"dynamic seq {seq}")

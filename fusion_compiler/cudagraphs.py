@@ -1,0 +1,132 @@
+"""CUDA graphs for compiled inference graphs with static shapes (an option: launch-bound models).
+
+A model run at batch 1 spends its time launching kernels, not running them. With
+``torch.compile(model, backend="fusion", mode="reduce-overhead")`` (or
+``options={"cudagraphs": True}``, or FUSION_COMPILER_CUDAGRAPHS=1) each eligible inference graph
+is captured once into a CUDA graph and replayed: one launch per call whatever the kernel count.
+
+How inputs and outputs are handled, so nothing is silently wrong:
+- Parameters and buffers (aot_autograd's static inputs) are captured in place. If one moves
+  later (weights replaced), the graph is captured again; after ``MAX_CAPTURES`` captures the
+  graph runs without CUDA graphs, with a warning.
+- Other inputs are copied into the graph's own input buffers before each replay.
+- Outputs are copied out of the graph's memory after each replay, so a result stays valid
+  after the next call (Inductor instead hands out its pool memory and forbids keeping it).
+
+Not captured (the graph runs as usual, and the log says why): training graphs, dynamic
+shapes, CPU tensors, random ops, ops that read device values on the host.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("fusion_compiler")
+
+MAX_CAPTURES = 3
+# ops whose result is fixed at capture time or that synchronize with the host
+_UNSAFE = ("rand", "bernoulli", "dropout", "normal", "_local_scalar_dense", "nonzero",
+           "masked_select", "unique", "item")
+
+
+def static_input_indices() -> list:
+    """Indices of the graph inputs that are parameters or buffers (aot_autograd knows them)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx else None
+    return list(getattr(meta, "static_input_indices", None) or ())
+
+
+def why_not(gm: torch.fx.GraphModule, kind: str) -> str | None:
+    """None if the graph can be captured, else the reason it is not."""
+    if kind != "inference":
+        return "CUDA graphs are used for inference graphs only"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(u in str(node.target) for u in _UNSAFE):
+            return f"{node.target} cannot be replayed from a CUDA graph"
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and not isinstance(val, torch.Tensor):
+            return f"input {node.name} is not a tensor (dynamic shapes)"
+        if isinstance(val, torch.Tensor):
+            if val.device.type != "cuda":
+                return f"{node.name} is a {val.device.type} tensor"
+            if any(not isinstance(s, int) for s in val.shape):
+                return f"{node.name} has a dynamic shape"
+    return None
+
+
+class CudaGraphRunner:
+    """A boxed callable: runs ``fn`` once as usual, then captures it and replays it."""
+
+    def __init__(self, fn, name: str, static_inputs=()):
+        self.fn, self.name = fn, name
+        self.static_inputs = set(static_inputs)     # indices of parameters and buffers
+        self.warm = False
+        self.captures = 0
+        self.disabled = False
+        self.graph = None
+
+    _boxed_call = True          # aot_autograd passes the argument list itself
+
+    def __call__(self, args):
+        if self.graph is not None:
+            for i, p in self.stable:
+                if args[i].data_ptr() != p:
+                    self.graph = None             # an input captured in place moved
+                    break
+            else:
+                for i, dst in self.copied:
+                    dst.copy_(args[i])
+                return self._replay()
+        if self.disabled:
+            return self.fn(args)
+        if not self.warm:                         # first call: plain (kernels compile here)
+            self.warm = True
+            return self.fn(args)
+        return self._capture(args)
+
+    def _capture(self, args):
+        if self.captures >= MAX_CAPTURES:
+            log.warning("fusion-compiler: %s: inputs captured in place keep moving; running "
+                        "without CUDA graphs from now on", self.name)
+            self.disabled = True
+            return self.fn(args)
+        self.captures += 1
+        args = list(args)
+        # parameters, and inputs with overlapping elements (expanded: no buffer can take a
+        # copy with their strides), are captured in place
+        keep = [i in self.static_inputs or (isinstance(a, torch.Tensor)
+                                             and torch._debug_has_internal_overlap(a) != 0)
+                for i, a in enumerate(args)]
+        static = [a if k or not isinstance(a, torch.Tensor) else
+                  torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                  for a, k in zip(args, keep)]
+        for a, s in zip(args, static):
+            if s is not a:
+                s.copy_(a)
+        # warm-up on a side stream, as CUDA graph capture asks
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.fn(list(static))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                outs = self.fn(list(static))
+        except Exception as exc:                  # noqa: BLE001 - run without graphs instead
+            log.warning("fusion-compiler: %s: CUDA graph capture failed (%s: %s); running "
+                        "without CUDA graphs", self.name, type(exc).__name__, exc)
+            self.disabled = True
+            return self.fn(args)
+        self.graph, self.outs = graph, outs
+        self.stable = [(i, a.data_ptr()) for i, (a, k) in enumerate(zip(args, keep))
+                       if k and isinstance(a, torch.Tensor)]
+        self.copied = [(i, s) for i, (s, k) in enumerate(zip(static, keep))
+                       if not k and isinstance(s, torch.Tensor)]
+        return self._replay()
+
+    def _replay(self):
+        self.graph.replay()
+        return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outs]
