@@ -25,9 +25,17 @@ import torch
 log = logging.getLogger("fusion_compiler")
 
 MAX_CAPTURES = 3
-# ops whose result is fixed at capture time or that synchronize with the host
-_UNSAFE = ("rand", "bernoulli", "dropout", "normal", "_local_scalar_dense", "nonzero",
-           "masked_select", "unique", "item")
+# ops (by ATen name) whose result would be frozen at capture time or that synchronize with
+# the host
+_UNSAFE = {"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+           "bernoulli", "normal", "uniform", "exponential", "geometric", "log_normal", "cauchy",
+           "multinomial", "native_dropout", "dropout", "_local_scalar_dense", "item", "nonzero",
+           "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim"}
+
+
+def _op_name(target) -> str:
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", "") or ""
+    return name.rstrip("_")     # in-place variants (bernoulli_, uniform_) share the name
 
 
 def static_input_indices() -> list:
@@ -42,7 +50,7 @@ def why_not(gm: torch.fx.GraphModule, kind: str) -> str | None:
     if kind != "inference":
         return "CUDA graphs are used for inference graphs only"
     for node in gm.graph.nodes:
-        if node.op == "call_function" and any(u in str(node.target) for u in _UNSAFE):
+        if node.op == "call_function" and _op_name(node.target) in _UNSAFE:
             return f"{node.target} cannot be replayed from a CUDA graph"
     for node in gm.graph.nodes:
         val = node.meta.get("val")
