@@ -66,5 +66,10 @@ def remember(table: dict, key: tuple, kernel) -> None:
     """Keep ``kernel`` (what ``kernel[grid](...)`` returned) for direct relaunches under ``key``."""
     rt = knobs.runtime
     if (LEAN and kernel is not None and getattr(kernel, "function", None) is not None
-            and rt.launch_enter_hook is None and rt.launch_exit_hook is None):
+            and not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)):
         table[key] = kernel
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: None, or (Triton 3.5+) an empty HookChain, is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -365,3 +365,31 @@ def test_cudagraphs_are_not_used_where_unsafe():
         torch.compile(lambda x: torch.var_mean(x * 2 + x), backend=grab)(torch.randn(3))
     assert any(n.target is operator.getitem for n in captured["g"].graph.nodes)
     assert "cpu tensor" in cudagraphs.why_not(captured["g"], "inference")   # getitem is fine
+
+
+def test_lean_launch_table_is_kept_only_without_launch_hooks(monkeypatch):
+    """The GPU path stores compiled kernels for direct relaunch; a Triton launch hook (a
+    profiler) must keep every launch going through Triton instead."""
+    from triton import knobs
+
+    from fusion_compiler.codegen import launch
+    monkeypatch.setattr(launch, "LEAN", True)
+
+    class Compiled:
+        function = object()
+    table = {}
+    launch.remember(table, ("k",), Compiled())
+    assert ("k",) in table
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):                  # Triton 3.5+: a chain of hooks, empty by default
+        fn = lambda *a: None  # noqa: E731
+        hook.add(fn)
+        try:
+            table.clear()
+            launch.remember(table, ("k",), Compiled())
+            assert table == {}
+        finally:
+            hook.remove(fn)
+    monkeypatch.setattr(launch, "LEAN", False)    # the interpreter: never stored
+    launch.remember(table, ("i",), Compiled())
+    assert ("i",) not in table
