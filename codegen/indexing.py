@@ -192,6 +192,8 @@ def print_expr(e) -> str:
         return _fold("min", e.args)
     if isinstance(e, sympy.core.relational.Relational):
         return f"({print_expr(e.lhs)} {e.rel_op} {print_expr(e.rhs)})"
+    if e is sympy.true or e is sympy.false:    # a predicate decided by the sizes alone
+        return str(bool(e))
     raise NotFusable(f"cannot print index expression {e} ({type(e).__name__})")
 
 

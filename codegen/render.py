@@ -89,6 +89,15 @@ def _render_kernel(lk: LoweredKernel, name: str):
     def idx(e):
         return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
 
+    def condition(pred_set):
+        """Predicates as Triton code: True / False when the sizes alone decide them (a slice
+        of a cat that falls inside one operand), else the conjunction of the rest."""
+        preds = [idx(p) for p in sorted(pred_set, key=str)]
+        if any(p is sympy.false for p in preds):
+            return False
+        rest = [print_expr(p) for p in preds if p is not sympy.true]
+        return " & ".join(rest) if rest else True
+
     def mask_of(parts_syms, pred_set):
         parts = []
         if row:
@@ -98,8 +107,12 @@ def _render_kernel(lk: LoweredKernel, name: str):
                 parts.append("cmask")
         elif XINDEX in parts_syms:
             parts.append("xmask")
-        parts += [print_expr(idx(p)) for p in sorted(pred_set, key=str)]
-        return " & ".join(parts)
+        cond = condition(pred_set)
+        if cond is False:
+            parts.append("False")           # never read: its value is never selected
+        elif cond is not True:
+            parts.append(cond)
+        return " & ".join(parts) or "True"
 
     def load(stmt):
         _, var, in_id, offset, pred_set = stmt
@@ -138,9 +151,12 @@ def _render_kernel(lk: LoweredKernel, name: str):
         if kind == "select":
             var, parts = stmt[1], stmt[2]
             expr = ops.cast(parts[-1][1].name, parts[-1][1].dtype, var.dtype)
-            for pred_set, v in reversed(parts[:-1]):
-                cond = " & ".join(print_expr(idx(p)) for p in sorted(pred_set, key=str))
-                expr = f"tl.where({cond}, {ops.cast(v.name, v.dtype, var.dtype)}, {expr})"
+            for pred_set, v in reversed(parts[:-1]):     # the first true predicate wins
+                cond = condition(pred_set)
+                if cond is True:
+                    expr = ops.cast(v.name, v.dtype, var.dtype)
+                elif cond is not False:
+                    expr = f"tl.where({cond}, {ops.cast(v.name, v.dtype, var.dtype)}, {expr})"
             return [f"{var.name} = {expr}"]
         raise AssertionError(kind)
 

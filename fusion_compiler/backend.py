@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from . import cudagraphs
+from . import cudagraphs, measure
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
 from .report import GraphReport, aten_compute_ops, publish
@@ -38,6 +38,7 @@ class CompileContext:
     size_hints: dict = field(default_factory=dict)
     decisions: list = field(default_factory=list)
     unfused_cost: dict = field(default_factory=dict)
+    recomputed_anywhere: set = field(default_factory=set)   # set by the fuse pass
     groups: list = field(default_factory=list)
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
@@ -110,6 +111,10 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
                         "dynamic": False, "profile": ctx.profile.name, "code": False}}
         log.info("%s", render_table(doc))
     publish(report)
+    target = measure.keep(gm, ctx)                 # only while `dump --measure` records
+    if target is not None:
+        target.report = report
+        new_gm._fc_measure = target
     return new_gm
 
 
@@ -136,7 +141,11 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     def compiler(kind):
         def compile_fn(aten_gm, _example_inputs):
             # boxed: aot_autograd passes the argument list itself, so inputs can be freed early
-            fn = make_boxed_func(compile_aten_graph(aten_gm, kind, config))
+            compiled = compile_aten_graph(aten_gm, kind, config)
+            fn = make_boxed_func(compiled)
+            target = getattr(compiled, "_fc_measure", None)
+            if target is not None:
+                return measure.capture_first_call(fn, target)
             if config.cudagraphs:
                 reason = cudagraphs.why_not(aten_gm, kind)
                 if reason is None:

@@ -80,7 +80,7 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
     args = make_inputs()
     compile_args = COMPILE_ARGS[backend]
     f = fn if compile_args is None else torch.compile(fn, **compile_args)
-    step = _training_step(f) if mode == "training" else (lambda *a: f(*a))
+    step = _training_step(f, fn) if mode == "training" else (lambda *a: f(*a))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad() if mode == "inference" else _null():
@@ -94,7 +94,7 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
     if compile_args is not None:
         torch._dynamo.reset()
         f = torch.compile(fn, **compile_args)
-        step = _training_step(f) if mode == "training" else (lambda *a: f(*a))
+        step = _training_step(f, fn) if mode == "training" else (lambda *a: f(*a))
         t0 = time.perf_counter()
         with torch.no_grad() if mode == "inference" else _null():
             step(*args)
@@ -129,12 +129,21 @@ class _null:
         return False
 
 
-def _training_step(f):
+def _training_step(f, model):
+    """forward, backward of a mean-square loss over the outputs that need grad, and (for a
+    module) an SGD step with zeroed gradients: a whole training step."""
+    params = [p for p in model.parameters() if p.requires_grad] if isinstance(
+        model, torch.nn.Module) else []
+    opt = torch.optim.SGD(params, lr=1e-6, foreach=True) if params else None
+
     def step(*args):
         out = f(*args)
         loss = sum(t.float().square().mean() for t in _outputs(out) if t.requires_grad)
         if isinstance(loss, torch.Tensor):
             loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return out
     return step
 
@@ -166,9 +175,14 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
             args = make()
             floor = P.floor_bytes(name, args, fn(*args))
         ref, rows = None, {}
+        # training steps change the weights: every backend starts from the same ones
+        start = ({k: v.detach().clone() for k, v in fn.state_dict().items()}
+                 if mode == "training" and isinstance(fn, torch.nn.Module) else None)
         for backend in backends:
             done += 1
             print(f"[{done}/{total}] {name}: {backend}", file=progress, flush=True)
+            if start is not None:
+                fn.load_state_dict(start)
             row, out = measure(fn, make, backend, mode, floor, ref)
             if backend == "eager":
                 ref = out

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: FUSION_COMPILER_PROFILE, else auto")
     d.add_argument("--format", choices=FORMATS, default="table", help="output (default: table)")
     d.add_argument("--code", action="store_true", help="also show each generated kernel's source")
+    d.add_argument("--measure", action="store_true",
+                   help="time each fused kernel and the ATen ops it replaced, beside the cost "
+                        "model's predictions (needs --device cuda, or TRITON_INTERPRET=1)")
     d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     d.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     c = sub.add_parser(
@@ -143,7 +146,8 @@ def dump(args) -> str:
         model, inputs, kwargs = call_factory(factory, where, args.device, args.dtype)
         summaries = _explain(model, inputs, args, profile, where)
     options = {"device": args.device, "dtype": args.dtype, "dynamic": args.dynamic,
-               "training": args.training, "profile": profile, "code": args.code}
+               "training": args.training, "profile": profile, "code": args.code,
+               "measure": args.measure}
     doc = document(args.target, where, options, kwargs, summaries)
     if args.format == "json":
         return json.dumps(doc, indent=2, allow_nan=False) + "\n"
@@ -166,6 +170,9 @@ def _check_options(args) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DumpError(f"--device {args.device}: no CUDA device is visible here; use --device "
                         "cpu (--profile picks the GPU the cost model assumes)")
+    if args.measure and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise DumpError("--measure times the kernels, which run on a GPU: add --device cuda on a "
+                        "machine with one (or set TRITON_INTERPRET=1 for interpreter timings)")
     if args.code and args.format == "dot":
         raise DumpError("--code does not go with --format dot; use table, json or html")
     if args.output:
@@ -314,7 +321,7 @@ def _explain(model, inputs, args, profile, where):
     try:
         with contextlib.nullcontext() if args.debug else _quiet_torch_logs():
             return explain(model, *inputs, dynamic=args.dynamic, training=args.training,
-                           profile=profile, code=args.code)
+                           profile=profile, code=args.code, measure=args.measure)
     except Exception as exc:
         if args.training and isinstance(exc, ValueError) and "requires grad" in str(exc):
             raise DumpError(f"--training: no output of the model of {where} requires grad; "

@@ -180,9 +180,33 @@ def render_table(doc) -> str:
                     out.append(f"    ... {count - len(rs)} more (--format json lists them all)")
         out += ["", "totals (before -> after fusion)"]
         out += text_table(["", "", ""], totals_rows(s))[1:]
+        if s.get("measured") is not None:
+            out += ["", *measured_lines(s)]
         if doc["options"]["code"]:
             out += ["", f"kernel sources ({len(s['kernels'])})"] + _code_text(s)
     return "\n".join(out) + "\n"
+
+
+MEASURED_HEADERS = ["group", "label", "fused: predicted", "measured", "error",
+                    "unfused: predicted", "measured", ""]
+
+
+def measured_lines(summary) -> list:
+    """The --measure section: each fused kernel and its unfused ops, timed beside the model."""
+    m = summary["measured"]
+    labels = {g["id"]: g["label"] for g in summary["groups"]}
+    rows = [[f"#{r['group']}", labels.get(r["group"], ""), f"{r['predicted_fused_us']:.1f} us",
+             f"{r['measured_fused_us']:.1f} us", f"{r['error']:+.0%}",
+             f"{r['predicted_unfused_us']:.1f} us", f"{r['measured_unfused_us']:.1f} us",
+             "SLOWER FUSED" if r["group"] in m["slower_fused"] else ""] for r in m["groups"]]
+    head = (f"measured vs predicted ({m['groups_measured']} kernels; medians of repeated runs"
+            + ("; Triton interpreter timings, not a GPU's" if m.get("interpreted") else "")
+            + ")")
+    out = [head] + (text_table(MEASURED_HEADERS, rows, {2, 3, 4, 5, 6}) if rows else [])
+    if m["median_abs_error"] is not None:
+        out.append(f"median |error| of the fused predictions: {m['median_abs_error']:.0%}; "
+                   f"measured slower fused than unfused: {len(m['slower_fused'])}")
+    return out
 
 
 def _code_text(summary) -> list:

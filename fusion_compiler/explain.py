@@ -29,11 +29,17 @@ def _env(**values):
                 os.environ[k] = v
 
 
-def explain(model, *inputs, dynamic=False, training=False, profile=None, code=False):
-    """Summaries (dicts) of every graph compiled for ``model(*inputs)``."""
+def explain(model, *inputs, dynamic=False, training=False, profile=None, code=False,
+            measure=False):
+    """Summaries (dicts) of every graph compiled for ``model(*inputs)``. With ``measure``
+    (a GPU, or Triton's interpreter) each summary also has ``measured``: every fused kernel
+    and the ATen ops it replaced, timed, beside the cost model's predictions (measure.py)."""
+    from . import measure as measure_mod
+
     torch._dynamo.reset()
     env = {"FUSION_COMPILER_PROFILE": profile, "FUSION_COMPILER_EMIT_SOURCES": 1 if code else None}
-    with _env(**env), capture_compiles() as reports:
+    recording = measure_mod.recording() if measure else contextlib.nullcontext()
+    with _env(**env), capture_compiles() as reports, recording as rec:
         compiled = torch.compile(model, backend="fusion", dynamic=dynamic)
         if training:
             out = compiled(*inputs)
@@ -44,8 +50,19 @@ def explain(model, *inputs, dynamic=False, training=False, profile=None, code=Fa
         else:
             with torch.no_grad():
                 compiled(*inputs)
+    if measure:
+        for target in rec.targets:
+            target.report.measured = measure_mod.measure_graph(target)
     torch._dynamo.reset()
-    return [dict(r.summary, kernels=r.kernels, ran_kernels=r.ran_kernels) for r in reports]
+    out = []
+    for r in reports:
+        s = dict(r.summary, kernels=r.kernels, ran_kernels=r.ran_kernels)
+        if measure:
+            rows = r.measured or []
+            s["measured"] = {"groups": rows, **measure_mod.summary(rows),
+                             "interpreted": measure_mod.interpreted()}
+        out.append(s)
+    return out
 
 
 def _tensors(out):

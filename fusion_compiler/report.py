@@ -24,6 +24,7 @@ class GraphReport:
     nodes_before: int = 0
     summary: dict = field(default_factory=dict)   # fusion_compiler.summary.summarize
     error: str = ""                                # the compiler failed: the graph ran on ATen
+    measured: list = None                          # rows of measure.measure_graph, if asked
 
     @property
     def num_kernels(self) -> int:

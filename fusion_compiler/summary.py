@@ -56,9 +56,10 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
     before_bytes = after_bytes = 0
     in_groups = set()
     for g in ctx.groups:
-        unfused = [ctx.unfused_cost[n] for n in g.members]
+        members = sorted(g.members, key=lambda n: n.name)     # a fixed order: reproducible sums
+        unfused = [ctx.unfused_cost[n] for n in members]
         # an op recomputed in several groups counts once in the unfused totals
-        fresh = [ctx.unfused_cost[n] for n in g.members if n not in in_groups]
+        fresh = [ctx.unfused_cost[n] for n in members if n not in in_groups]
         ub = sum(c.bytes for c in unfused)
         ut = sum(c.time for c in unfused)
         generated = g.id in ctx.launchers or (not ctx.launchers and g.ir is not None and not g.error)

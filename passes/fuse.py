@@ -34,6 +34,7 @@ import torch
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir, canonical_hints
 from ..codegen.lower import Lowering
+from . import decision_cache
 from .classify import OpKind
 from .groups import DATA, FusionGroup, GraphView, analyze
 
@@ -51,7 +52,44 @@ def check_legal(group: FusionGroup, ctx) -> None:
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    """Group the data nodes of ``gm``; record every decision."""
+    """Group the data nodes of ``gm``; record every decision (or restore them from the
+    decision cache when this very graph was fused before: see decision_cache.py)."""
+    key = decision_cache.graph_key(gm, ctx)
+    cached = decision_cache.load(gm, ctx, key)
+    if cached is not None:
+        return _restore(gm, ctx, *cached)
+    gm = _search(gm, ctx)
+    decision_cache.store(ctx, key, ctx.groups, ctx.recomputed_anywhere, ctx.decisions)
+    return gm
+
+
+def _restore(gm, ctx, specs, recomputed_anywhere, decisions):
+    """The groups of an earlier search, analysed again on this graph (no lowering: legality
+    was established when they were found; the code generator lowers them again if it must)."""
+    view = GraphView(gm)
+    for n in gm.graph.nodes:
+        if view.is_data(n):
+            ctx.unfused_cost[n] = analyze(FusionGroup(-1, frozenset([n])), view, ctx).cost
+    view.recomputed_anywhere = set(recomputed_anywhere)
+    groups = {s["id"]: FusionGroup(s["id"], frozenset(s["members"]),
+                                   recomputed=frozenset(s["recomputed"]),
+                                   extra_outputs=frozenset(s["extra_outputs"])) for s in specs}
+    view.groups = groups
+    for s in specs:
+        g = analyze(groups[s["id"]], view, ctx)
+        if s["error"]:
+            g.error = s["error"]
+        else:
+            g.ir, g.graph_symbols = build_kernel_ir(g.nodes, g.inputs, g.outputs)
+        for n in g.members:
+            n.meta["fc_group"] = g.id
+    ctx.decisions.extend(decisions)
+    ctx.recomputed_anywhere = set(recomputed_anywhere)
+    ctx.groups = sorted(groups.values(), key=lambda g: view.order[g.nodes[-1]])
+    return gm
+
+
+def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     view = GraphView(gm)
     data = [n for n in gm.graph.nodes if view.is_data(n)]
     group_of, groups = {}, {}
@@ -151,6 +189,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for n in g.members:
             n.meta["fc_group"] = g.id
     ctx.groups = sorted(groups.values(), key=lambda g: view.order[g.nodes[-1]])
+    ctx.recomputed_anywhere = set(view.recomputed_anywhere)
     return gm
 
 

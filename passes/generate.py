@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codegen.kernel_ir import canonical_hints
+from ..codegen.kernel_ir import NotFusable, canonical_hints
 from ..codegen.render import generate
 from .partition import symbols_available
 
@@ -29,8 +29,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         title = label(g)
         # everything the source depends on besides the IR goes into the key
         key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block))
-        module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
-                                                      ctx.config.max_persistent_block))
+        try:
+            module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
+                                                          ctx.config.max_persistent_block))
+        except NotFusable as exc:       # this group stays on ATen; the others still fuse
+            if ctx.config.strict:
+                raise
+            g.error = f"code generation: {exc}"
+            continue
         module.DEVICE = device
         if runs:
             ctx.launchers[g.id] = module.launch
@@ -64,5 +70,6 @@ def label(group) -> str:
     if not parts and ops & {"mean", "sum", "amax", "amin"}:
         parts.append("reduction")
     if not parts:
-        parts.append("residual" if ops <= {"add"} else "pointwise")
+        floats = all(d.is_floating_point for d in out_dtypes)
+        parts.append("residual" if ops <= {"add"} and floats else "pointwise")
     return "+".join(parts)

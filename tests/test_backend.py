@@ -97,7 +97,8 @@ CPU_CHILD = textwrap.dedent('''
         "reports": [[r.kind, r.ran_kernels, r.num_kernels] for r in reports],
         "cpu_messages": sum("CPU tensors run the ATen graph" in m for m in records),
         "generated": sum(c.generated for c in backend._caches.values()),
-        "cache_files": sorted(str(p) for p in cache_dir.rglob("*")) if cache_dir.exists() else [],
+        # kernel sources only: the fusion decisions (graphs/) are cached on the CPU too
+        "cache_files": sorted(str(p) for p in cache_dir.rglob("*.py")) if cache_dir.exists() else [],
         "interpret": os.environ.get("TRITON_INTERPRET"),
     }))
 ''')

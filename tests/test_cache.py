@@ -68,8 +68,13 @@ def entry_files(root: Path) -> dict:
 
 
 def assert_valid_entries(root: Path) -> int:
-    """Every entry is a .py with a .json naming its key and sha256; no temporaries are left."""
+    """Every kernel entry is a .py with a .json naming its key and sha256, every fusion decision
+    entry (graphs/) a .pkl under its key prefix; no temporaries are left."""
     files = [p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    decisions = [p for p in files if p.relative_to(root).parts[0] == "graphs"]
+    for p in decisions:
+        assert p.suffix == ".pkl" and not p.name.startswith(".") and p.parent.name == p.stem[:2], p
+    files = [p for p in files if p not in decisions]
     sources = {p.stem: p for p in files if p.suffix == ".py"}
     metas = {p.stem: p for p in files if p.suffix == ".json"}
     leftovers = [str(p) for p in files if p.suffix not in (".py", ".json") or p.name.startswith(".")]
@@ -204,7 +209,8 @@ def test_fresh_cache_object_reads_the_disk(cache_dir, device, monkeypatch):
 def test_second_process_generates_nothing(cache_dir, device, tmp_path):
     keys = kernel_keys(check_model(device))
     before = entry_files(cache_dir)
-    assert len(before) == 2 * len(keys)
+    kernel_files = [f for f in before if not f.startswith("graphs")]
+    assert len(kernel_files) == 2 * len(keys) and len(before) == len(kernel_files) + 1
     proc = subprocess.run([sys.executable, str(write_child(tmp_path))], cwd=tmp_path,
                           env=child_env(cache_dir, device), capture_output=True, text=True,
                           timeout=SUBPROCESS_TIMEOUT)
@@ -529,3 +535,55 @@ def test_two_processes_fill_one_cache_at_once(cache_dir, device, tmp_path):
     reports = check_model(device)
     assert kernel_keys(reports) == keys
     assert current_cache().generated == 0 and current_cache().hits == len(keys)
+
+
+# ------------------------------------------------------------------- fusion decision cache
+def _summary_text(reports):
+    return json.dumps([r.summary for r in reports], default=str, sort_keys=True)
+
+
+def test_second_compile_restores_fusion_decisions(cache_dir, device, monkeypatch):
+    """The fuse search runs once per graph: a second compile (another process, or after a
+    reset) restores the groups and decisions from disk, with the same kernels and results."""
+    from fusion_compiler.passes import fuse
+    x, w = model_inputs(device)
+    out1, rep1 = compile_and_run(model, (x, w))
+    entries = list((cache_dir / "graphs").rglob("*.pkl"))
+    assert len(entries) == 1
+    forget_loaded_kernels(monkeypatch)
+
+    def no_search(*a, **k):
+        raise AssertionError("the fuse search ran although its result was cached")
+    monkeypatch.setattr(fuse, "_search", no_search)
+    out2, rep2 = compile_and_run(model, (x, w))
+    assert kernel_keys(rep2) == kernel_keys(rep1) and len(kernel_keys(rep1)) == 2
+    assert _summary_text(rep2) == _summary_text(rep1)
+    assert rep2[0].decisions == rep1[0].decisions and rep1[0].decisions
+    for a, b in zip(out2, out1):
+        assert torch.equal(a, b)
+
+
+def test_damaged_decision_entry_is_decided_again(cache_dir, device, monkeypatch, caplog):
+    x, w = model_inputs(device)
+    out1, rep1 = compile_and_run(model, (x, w))
+    (entry,) = list((cache_dir / "graphs").rglob("*.pkl"))
+    entry.write_bytes(entry.read_bytes()[:40])            # truncated
+    forget_loaded_kernels(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        out2, rep2 = compile_and_run(model, (x, w))
+    assert any("decision cache entry" in r.getMessage() for r in caplog.records)
+    assert _summary_text(rep2) == _summary_text(rep1)
+    assert_close(out2[0], model(x, w)[0])
+    assert len(entry.read_bytes()) > 40                   # rewritten whole
+
+
+def test_decision_cache_key_follows_the_config(cache_dir, device, monkeypatch):
+    """Another max_group_ops is another search, never a restored one."""
+    x, w = model_inputs(device)
+    compile_and_run(model, (x, w))
+    monkeypatch.setenv("FUSION_COMPILER_MAX_GROUP_OPS", "3")
+    forget_loaded_kernels(monkeypatch)
+    out, reports = compile_and_run(model, (x, w))
+    assert len(list((cache_dir / "graphs").rglob("*.pkl"))) == 2
+    assert all(len(g["ops"]) <= 3 for g in reports[0].summary["groups"])
+    assert_close(out[0], model(x, w)[0])

@@ -95,7 +95,7 @@ NUM = (int, float)
 TOP = {"schema": str, "version": str, "target": str, "factory": str, "options": dict,
        "factory_kwargs": dict, "graphs": list}
 OPTIONS = {"device": str, "dtype": (str, type(None)), "dynamic": bool, "training": bool,
-           "profile": str, "code": bool}
+           "profile": str, "code": bool, "measure": bool}
 GRAPH = {"index": int, "kind": str, "profile": str, "ran_kernels": bool, "groups": list,
          "aten_ops": list, "refused": list, "edges": list, "totals": dict, "kernels": list}
 GROUP = {"id": int, "label": str, "ops": list, "nodes": list, "inputs": list, "outputs": list,
@@ -400,3 +400,37 @@ def test_bench_max_error_sees_nan_and_inf_mismatches():
     assert max_error(torch.tensor([nan, 2.0]), torch.tensor([1.0, 2.0])) == inf
     assert max_error(torch.tensor([inf]), torch.tensor([-inf])) == inf
     assert max_error((torch.tensor([1.0]),), (torch.tensor([1.25]),)) == 0.25
+
+
+# ------------------------------------------------------------------------------- --measure
+MEASURED = {"groups": list, "groups_measured": int, "median_abs_error": NUM,
+            "slower_fused": list, "interpreted": bool}
+MEASURED_ROW = {"group": int, "predicted_fused_us": NUM, "measured_fused_us": NUM,
+                "predicted_unfused_us": NUM, "measured_unfused_us": NUM, "error": NUM}
+
+
+def test_measure_times_every_fused_kernel_beside_its_prediction(capsys, tiny, monkeypatch):
+    """The timing path runs under the interpreter here (the GPU run gives the real numbers):
+    one row per generated kernel, with both predictions, both measurements and the error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    doc = dump_json(capsys, tiny, "--measure")
+    check_schema(doc)
+    (graph,) = doc["graphs"]
+    m = graph["measured"]
+    check(m, MEASURED, "measured")
+    assert m["interpreted"] is True and m["groups_measured"] == len(graph["kernels"]) >= 1
+    for row in m["groups"]:
+        check(row, MEASURED_ROW, "measured row")
+        assert row["measured_fused_us"] > 0 and row["measured_unfused_us"] > 0
+        assert row["error"] == pytest.approx(
+            (row["predicted_fused_us"] - row["measured_fused_us"]) / row["measured_fused_us"])
+    assert {r["group"] for r in m["groups"]} == {k["group"] for k in graph["kernels"]}
+    rc, out, err = dump(capsys, tiny, "--measure")
+    assert rc == 0 and "measured vs predicted" in out and "interpreter timings" in out
+
+
+def test_measure_without_a_gpu_is_a_clear_error(capsys, tiny, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rc, out, err = dump(capsys, tiny, "--measure")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "--measure" in err and "--device cuda" in err

@@ -93,3 +93,48 @@ def test_cudagraphs_option_is_used_only_where_safe():
         for seq in (16, 24):
             x = torch.randint(0, 256, (2, seq), device="cuda")
             assert_close(fn(x), model(x), name=f"dynamic seq {seq}")
+
+
+def _assert_close_by_rows(actual, expected, name, chunk=1 << 16):
+    """assert_close over a huge tensor, a slab of rows at a time (bounded extra memory)."""
+    for start in range(0, actual.shape[0], chunk):
+        assert_close(actual[start:start + chunk], expected[start:start + chunk],
+                     name=f"{name} rows {start}..")
+
+
+def test_more_than_2_31_elements_use_64_bit_offsets():
+    """Row and pointwise kernels over tensors past 2**31 elements (4 GiB each in bf16): the
+    launcher switches on 64-bit indexing; the rows past the 2**31-th element are checked too."""
+    n = 4096
+    rows = (2**31) // n + 3
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    (normed, h), reports = compile_and_run(PATTERNS["add_rmsnorm"], (x, r, w))
+    assert kernel_count(reports) == 1
+    exp_normed, exp_h = PATTERNS["add_rmsnorm"](x, r, w)
+    _assert_close_by_rows(normed, exp_normed, "normed")
+    _assert_close_by_rows(h, exp_h, "h")
+    del normed, h, exp_normed, exp_h
+    out, reports = compile_and_run(PATTERNS["swiglu"], (x, r))
+    assert kernel_count(reports) == 1
+    _assert_close_by_rows(out, PATTERNS["swiglu"](x, r), "swiglu")
+    del x, r, out
+    torch.cuda.empty_cache()
+
+
+def test_cpu_and_cuda_ops_mixed_in_one_graph():
+    """The CUDA ops fuse; the CPU ops run on ATen on the CPU; the results meet on the GPU."""
+    def f(x, y):
+        a = (x * 2).relu() + 1
+        b = torch.sin(y) * 3
+        return a + b.to("cuda"), b
+
+    x = torch.randn(37, 41, device="cuda")
+    y = torch.randn(37, 41)
+    (out, b), reports = compile_and_run(f, (x, y))
+    exp_out, exp_b = f(x, y)
+    assert kernel_count(reports) >= 1
+    assert b.device.type == "cpu" and out.device.type == "cuda"
+    assert_close(out, exp_out, name="cuda result")
+    assert_close(b, exp_b, name="cpu result")

@@ -779,3 +779,29 @@ def test_cli_bad_environment_is_one_line_with_status_2(name, value, tmp_path, ca
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("fusion-compiler: error: ") and name in lines[0]
+
+
+# ------------------------------------------------- a slice of a cat inside one of its operands
+@pytest.mark.parametrize("where", ["[1:]", "[:1]", "[:-1]", "[1:-1]"])
+def test_slice_of_cat_decided_by_sizes(where, device):
+    """A slice that falls inside one operand makes the cat's select predicate a constant
+    (True/False from the sizes alone); GPT-2's mask code does this (torch.diff with prepend).
+    Found by examples/gpt2.py: code generation raised on the constant."""
+    sl = {"[1:]": slice(1, None), "[:1]": slice(None, 1), "[:-1]": slice(None, -1),
+          "[1:-1]": slice(1, -1)}[where]
+
+    def f(a, b):
+        return torch.cat([a, b])[sl] * 2 + 1
+
+    a, b = torch.randn(1, device=device), torch.randn(16, device=device)
+    out, reports = compile_and_run(f, (a, b))
+    assert kernel_count(reports) == 1 and not leftover_aten(reports)
+    assert_close(out, f(a, b))
+
+
+def test_diff_with_prepend_fuses(device):
+    x = torch.randint(0, 100, (3, 17), device=device)
+    f = lambda x: torch.diff(x, prepend=x[:, :1] - 1) != 1  # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) >= 1
+    assert torch.equal(out, f(x))

@@ -1,0 +1,102 @@
+"""On-disk cache of the fuse pass's result: the same ATen graph is not searched twice.
+
+The fuse pass is most of the backend's compile time (every accepted merge is lowered to check
+that it makes one kernel). Its result depends only on the graph, its shapes and size hints, the
+configuration, the device profile and the compiler's own code, so a second process compiling
+the same model restores the groups (and the recorded decisions) from disk instead.
+
+    <cache_dir>/graphs/<key[:2]>/<key>.pkl    {"key", "groups", "recomputed", "decisions"}
+
+``key`` hashes all of the above (the source of passes/ and codegen/ included: any change to the
+compiler is a new namespace). Entries are written atomically; one that does not load, names a
+node the graph lacks, or has another key is ignored (and rewritten), never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fusion_compiler")
+
+
+def _sources_fingerprint() -> str:
+    h = hashlib.sha256()
+    for folder in (Path(__file__).parent, Path(__file__).parent.parent / "codegen"):
+        for path in sorted(folder.glob("*.py")):
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+_FINGERPRINT = _sources_fingerprint()
+
+
+def graph_key(gm: torch.fx.GraphModule, ctx) -> str:
+    """Hash of everything the fuse pass's result depends on."""
+    h = hashlib.sha256(_FINGERPRINT.encode())
+    cfg = ctx.config
+    h.update(repr((cfg.max_group_ops, cfg.max_persistent_block, ctx.profile)).encode())
+    h.update(repr(sorted((str(k), int(v)) for k, v in ctx.size_hints.items())).encode())
+    for n in gm.graph.nodes:
+        h.update(repr((n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
+                       str(n.meta.get("fc_kind")), n.meta.get("fc_tensor"),
+                       n.meta.get("fc_symint"))).encode())
+    return h.hexdigest()[:32]
+
+
+def _path(ctx, key: str) -> Path:
+    return Path(ctx.config.cache_dir) / "graphs" / key[:2] / f"{key}.pkl"
+
+
+def load(gm: torch.fx.GraphModule, ctx, key: str):
+    """The stored result for ``key`` with node names resolved, or None."""
+    path = _path(ctx, key)
+    if not path.exists():
+        return None
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+        if entry.get("key") != key:
+            raise ValueError("key mismatch")
+        by_name = {n.name: n for n in gm.graph.nodes}
+        groups = [dict(g, members=[by_name[m] for m in g["members"]],
+                       recomputed=[by_name[m] for m in g["recomputed"]],
+                       extra_outputs=[by_name[m] for m in g["extra_outputs"]])
+                  for g in entry["groups"]]
+        return groups, [by_name[m] for m in entry["recomputed_anywhere"]], entry["decisions"]
+    except Exception as exc:                      # noqa: BLE001 - a bad entry is recomputed
+        log.warning("fusion-compiler: fusion decision cache entry %s is damaged (%s: %s); "
+                    "deciding again", path, type(exc).__name__, exc)
+        return None
+
+
+def store(ctx, key: str, groups, recomputed_anywhere, decisions) -> None:
+    entry = {"key": key,
+             "groups": [{"id": g.id, "members": [n.name for n in g.members],
+                         "recomputed": [n.name for n in g.recomputed],
+                         "extra_outputs": [n.name for n in g.extra_outputs],
+                         "error": g.error} for g in groups],
+             "recomputed_anywhere": [n.name for n in recomputed_anywhere],
+             "decisions": decisions}
+    path = _path(ctx, key)
+    try:
+        data = pickle.dumps(entry)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except Exception as exc:                      # noqa: BLE001 - the cache is an optimisation
+        log.debug("fusion-compiler: fusion decisions not cached (%s: %s)", type(exc).__name__, exc)

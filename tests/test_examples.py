@@ -1,0 +1,171 @@
+"""examples/gpt2.py, bert.py and fp8_mlp.py: the dump of each, and compiled against eager.
+
+Tiny configs (2 layers, hidden 64) so each test runs in seconds in Triton's interpreter. The
+dump tests run the CLI as it runs on a CPU machine: analysis only, no kernels launched. GPT-2
+and BERT need transformers (the `examples` extra); their tests skip without it.
+"""
+import importlib.util
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusion_compiler.cli import main as cli_main
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+LAYERS = 2          # the tiny configs' default
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dump_graph(capsys, monkeypatch, name):
+    """The one graph of `fusion-compiler dump examples/NAME.py --format json`, analysis only."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")     # read per compile: plan, launch nothing
+    rc = cli_main(["dump", str(EXAMPLES / f"{name}.py"), "--format", "json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    (graph,) = json.loads(out)["graphs"]
+    assert graph["kind"] == "inference"
+    return graph
+
+
+def labels(groups):
+    return Counter(g["label"] for g in groups)
+
+
+def aten_op_names(reports):
+    """'aten.native_layer_norm.default' -> 'native_layer_norm', for every op left on ATen."""
+    return {op.split(".")[1] for op in leftover_aten(reports)}
+
+
+def compiled_vs_eager(make, dtype, device, **sizes):
+    torch.manual_seed(0)
+    model, inputs = make(device=device, dtype=dtype, **sizes)
+    with torch.no_grad():
+        expected = model(*inputs)
+        out, reports = compile_and_run(model, inputs)
+    assert not [r.error for r in reports if r.error]
+    assert_close(out, expected, dtype=dtype)
+    return reports
+
+
+# Ops of the norms and activations; none may be left on ATen.
+NORM_AND_ACTIVATION = {"mean", "rsqrt", "var_mean", "native_layer_norm", "erf", "tanh", "pow",
+                       "sigmoid", "amax", "clamp"}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_without_transformers_the_factory_says_what_to_install(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, "transformers", None)     # import transformers fails
+    with pytest.raises(ImportError, match=r"pip install 'fusion-compiler\[examples\]'"):
+        load_example(name).make_model_and_inputs()
+
+
+# --------------------------------------------------------------------------- GPT-2
+
+# Per layer: LayerNorm before attention and before the MLP, each with the residual add before
+# it, and the tanh GELU after c_fc; per model: the final LayerNorm. The other groups are
+# transformers' mask and position code, which varies between its versions.
+GPT2_LABELS = {"layernorm": 2 * LAYERS + 1, "gelu": LAYERS}
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    pytest.importorskip("transformers")
+    return load_example("gpt2")
+
+
+def test_gpt2_dump_fuses_layernorms_and_gelu(capsys, monkeypatch, gpt2):
+    graph = dump_graph(capsys, monkeypatch, "gpt2")
+    assert all(g["kernel"] for g in graph["groups"])
+    assert labels(graph["groups"]) >= Counter(GPT2_LABELS), labels(graph["groups"])
+    on_aten = {a["op"] for a in graph["aten_ops"]}
+    assert {"addmm", "embedding"} <= on_aten and not on_aten & NORM_AND_ACTIVATION
+
+
+def test_gpt2_matches_eager(gpt2):
+    reports = compiled_vs_eager(gpt2.make_model_and_inputs, torch.float32, "cpu", seq=13)
+    assert labels(reports[0].kernels) >= Counter(GPT2_LABELS)
+    assert not aten_op_names(reports) & NORM_AND_ACTIVATION
+
+
+@pytest.mark.gpu
+def test_gpt2_matches_eager_on_gpu_bf16(gpt2):
+    reports = compiled_vs_eager(gpt2.make_model_and_inputs, torch.bfloat16, "cuda")
+    assert labels(reports[0].kernels) >= Counter(GPT2_LABELS)
+
+
+# --------------------------------------------------------------------------- BERT
+
+# Per layer: residual add + LayerNorm after attention and after the MLP, exact GELU after the
+# up projection; per model: the embeddings' sum + LayerNorm.
+BERT_LABELS = {"layernorm": 2 * LAYERS + 1, "gelu": LAYERS}
+
+
+@pytest.fixture(scope="module")
+def bert():
+    pytest.importorskip("transformers")
+    return load_example("bert")
+
+
+def test_bert_dump_fuses_layernorms_and_gelu(capsys, monkeypatch, bert):
+    graph = dump_graph(capsys, monkeypatch, "bert")
+    assert all(g["kernel"] for g in graph["groups"])
+    assert labels(graph["groups"]) == Counter(BERT_LABELS)
+    on_aten = {a["op"] for a in graph["aten_ops"]}
+    assert {"addmm", "embedding"} <= on_aten and not on_aten & NORM_AND_ACTIVATION
+
+
+def test_bert_matches_eager(bert):
+    reports = compiled_vs_eager(bert.make_model_and_inputs, torch.float32, "cpu", seq=13)
+    assert labels(reports[0].kernels) == Counter(BERT_LABELS)
+    assert not aten_op_names(reports) & NORM_AND_ACTIVATION
+
+
+@pytest.mark.gpu
+def test_bert_matches_eager_on_gpu_bf16(bert):
+    reports = compiled_vs_eager(bert.make_model_and_inputs, torch.bfloat16, "cuda")
+    assert labels(reports[0].kernels) == Counter(BERT_LABELS)
+
+
+# --------------------------------------------------------------------------- FP8 MLP
+
+# Per block: RMSNorm + per-token quant of its input (from the second block on, with the residual
+# add of the block before), SwiGLU + quant; per model: the last residual add. Only the FP8 GEMMs
+# stay on ATen.
+FP8_LABELS = {"rmsnorm+quant": LAYERS, "swiglu+quant": LAYERS, "residual": 1}
+
+
+@pytest.fixture(scope="module")
+def fp8_mlp():
+    return load_example("fp8_mlp")
+
+
+def test_fp8_mlp_dump_fuses_norm_quant_and_swiglu_quant(capsys, monkeypatch, fp8_mlp):
+    graph = dump_graph(capsys, monkeypatch, "fp8_mlp")
+    assert all(g["kernel"] for g in graph["groups"])
+    assert labels(graph["groups"]) == Counter(FP8_LABELS)
+    assert [a["op"] for a in graph["aten_ops"]] == ["_scaled_mm"] * 2 * LAYERS
+
+
+def test_fp8_mlp_matches_eager(fp8_mlp):
+    """_scaled_mm runs on the CPU in torch 2.13, so the whole model runs here; 3 x 7 tokens."""
+    reports = compiled_vs_eager(fp8_mlp.make_model_and_inputs, torch.bfloat16, "cpu",
+                                batch=3, seq=7)
+    assert labels(reports[0].kernels) == Counter(FP8_LABELS)
+    assert aten_op_names(reports) == {"_scaled_mm"}
+
+
+@pytest.mark.gpu
+def test_fp8_mlp_matches_eager_on_gpu_bf16(fp8_mlp):
+    reports = compiled_vs_eager(fp8_mlp.make_model_and_inputs, torch.bfloat16, "cuda")
+    assert labels(reports[0].kernels) == Counter(FP8_LABELS)
+    assert aten_op_names(reports) == {"_scaled_mm"}
