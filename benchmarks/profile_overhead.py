@@ -89,7 +89,7 @@ def main():
         from fusion_compiler import backend
         key = reports[0].kernels[0]["key"]
         module = next(c.modules[key] for c in backend._caches.values() if key in c.modules)
-        report.append(f"launcher alone: {per_call_us(module.launch, (x, y), 500):.1f} us")
+        report.append(f"launcher alone: {per_call_us(module.launch, (x.device, x, y), 500):.1f} us")
     text = "\n".join(report)
     print(text)
     if a.out:

@@ -292,7 +292,8 @@ def _max_offset(shape, stride):
 def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block):
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
-    lines = [f"def launch({', '.join(ins + syms)}):"]
+    # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
+    lines = [f"def launch({', '.join(['DEVICE'] + ins + syms)}):"]
     # 0-dim CPU tensors reach a GPU kernel by value
     spec = []       # the lean launch key: what Triton specializes each argument on
     for i, v in enumerate(ir.inputs):

@@ -26,25 +26,26 @@ def profile_path(cache_dir: Path, device_name: str) -> Path:
 def measure(device: str = "cuda") -> DeviceProfile:
     """Measure this GPU. Needs CUDA."""
     import triton
-    import triton.language as tl
     from triton.testing import do_bench
 
     if not torch.cuda.is_available():
         raise RuntimeError("calibrate needs a CUDA GPU; none is visible")
     bandwidth = _copy_bandwidth(device, do_bench)
 
+    # no annotations here: under `from __future__ import annotations` Triton evaluates them in
+    # this module's globals, where `tl` (imported in this function) is unknown
     @triton.jit
-    def _empty_kernel(x_ptr, n: tl.constexpr):
+    def _empty_kernel(x_ptr):
         pass
 
     x = torch.empty(1, device=device)
-    _empty_kernel[(1,)](x, 1)
+    _empty_kernel[(1,)](x)
     torch.cuda.synchronize()
     reps = 2000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        _empty_kernel[(1,)](x, 1)
+        _empty_kernel[(1,)](x)
     end.record()
     torch.cuda.synchronize()
     launch = start.elapsed_time(end) * 1e-3 / reps

@@ -5,6 +5,8 @@ A group that cannot be generated (its error says why) stays on ATen.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..codegen.kernel_ir import NotFusable, canonical_hints
@@ -37,9 +39,13 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 raise
             g.error = f"code generation: {exc}"
             continue
-        module.DEVICE = device
         if runs:
-            ctx.launchers[g.id] = module.launch
+            # the device is bound here, not stored in the module: one cached module serves
+            # every graph with this kernel, on whichever device each runs
+            launch = functools.partial(module.launch, device)
+            launch.__name__ = launch.__qualname__ = "launch"     # FX names call targets
+            launch.__module__ = module.__name__
+            ctx.launchers[g.id] = launch
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
                             "ops": [str(n.target) for n in g.members], "runs": runs})
     return gm

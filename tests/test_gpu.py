@@ -138,3 +138,20 @@ def test_cpu_and_cuda_ops_mixed_in_one_graph():
     assert b.device.type == "cpu" and out.device.type == "cuda"
     assert_close(out, exp_out, name="cuda result")
     assert_close(b, exp_b, name="cpu result")
+
+
+def test_one_kernel_module_serves_live_graphs_on_two_devices(monkeypatch):
+    """A cached kernel module is shared by every graph with that kernel; the device is bound
+    per graph. (It was a module global: the last graph compiled set it for all of them.)"""
+    f = lambda x: (x * 2).relu() + 1  # noqa: E731
+    torch._dynamo.reset()
+    on_gpu = torch.compile(f, backend="fusion", fullgraph=True)
+    xg = torch.randn(37, 41, device="cuda")
+    assert_close(on_gpu(xg), f(xg))
+    monkeypatch.setenv("FUSION_COMPILER_EMIT_SOURCES", "1")     # the CPU graph generates too
+    on_cpu = torch.compile(lambda x: f(x), backend="fusion", fullgraph=True)
+    xc = torch.randn(37, 41)
+    assert_close(on_cpu(xc), f(xc))
+    out = on_gpu(xg)
+    assert out.device.type == "cuda"
+    assert_close(out, f(xg))
