@@ -31,13 +31,17 @@ def _env(**values):
 
 def explain(model, *inputs, dynamic=False, training=False, profile=None, code=False,
             measure=False):
-    """Summaries (dicts) of every graph compiled for ``model(*inputs)``. With ``measure``
+    """Summaries (dicts) of every graph compiled for ``model(*inputs)``. Every kernel source is
+    generated (``code`` is kept for callers; the sources are always in the kernel cache). With
+    ``measure``
     (a GPU, or Triton's interpreter) each summary also has ``measured``: every fused kernel
     and the ATen ops it replaced, timed, beside the cost model's predictions (measure.py)."""
     from . import measure as measure_mod
 
     torch._dynamo.reset()
-    env = {"FUSION_COMPILER_PROFILE": profile, "FUSION_COMPILER_EMIT_SOURCES": 1 if code else None}
+    # every kernel is generated, also where none runs (a CPU machine): a group the code
+    # generator cannot make one kernel of is then reported as not generated, never as fused
+    env = {"FUSION_COMPILER_PROFILE": profile, "FUSION_COMPILER_EMIT_SOURCES": 1}
     recording = measure_mod.recording() if measure else contextlib.nullcontext()
     with _env(**env), capture_compiles() as reports, recording as rec:
         compiled = torch.compile(model, backend="fusion", dynamic=dynamic)

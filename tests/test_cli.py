@@ -438,3 +438,20 @@ def test_measure_of_cpu_tensors_without_the_interpreter_is_a_clear_error(capsys,
     rc, out, err = dump(capsys, tiny, "--measure")
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and "--measure" in err and "--device cuda" in err
+
+
+def test_dump_reports_a_group_the_code_generator_refuses(capsys, tiny, monkeypatch):
+    """The dump generates every kernel (on a CPU machine too), so a group whose code generation
+    fails is shown as not generated, with the reason, never as fused."""
+    from fusion_compiler.codegen.kernel_ir import NotFusable
+    from fusion_compiler.passes import generate
+
+    def refuse(*args, **kwargs):
+        raise NotFusable("no kernel for this one (test)")
+    monkeypatch.setattr(generate, "generate", refuse)
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(tiny.parent / "fresh-cache"))
+    doc = dump_json(capsys, tiny)
+    (graph,) = doc["graphs"]
+    assert graph["groups"] and not any(g["kernel"] for g in graph["groups"])
+    assert all("code generation: no kernel for this one" in g["why_not"] for g in graph["groups"])
