@@ -46,8 +46,26 @@ def check_legal(group: FusionGroup, ctx) -> None:
     if not group.outputs:
         raise NotFusable("group has no outputs")
     ir, syms = build_kernel_ir(group.nodes, group.inputs, group.outputs)
-    Lowering(ir, canonical_hints(syms, ir, ctx.size_hints), persistent=True).run()
+    hints = canonical_hints(syms, ir, ctx.size_hints)
+    # the IR text is canonical (node and symbol names renamed): the same candidate in every
+    # layer of a model is lowered once
+    key = (ir.text(), tuple(sorted((str(k), v) for k, v in hints.items())))
+    verdict = _LOWERED.get(key)
+    if verdict is None:
+        try:
+            Lowering(ir, hints, persistent=True).run()
+            verdict = ""
+        except NotFusable as exc:
+            verdict = str(exc) or "not fusable"
+        if len(_LOWERED) > 4096:
+            _LOWERED.clear()
+        _LOWERED[key] = verdict
+    if verdict:
+        raise NotFusable(verdict)
     group.ir, group.graph_symbols = ir, syms
+
+
+_LOWERED: dict = {}     # (IR text, hints) -> "" if it lowers, else why not (this process)
 
 
 
