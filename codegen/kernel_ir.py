@@ -48,10 +48,11 @@ class KernelIR:
     values: tuple           # IRValue for every value id (inputs first)
     outputs: tuple          # value ids stored by the kernel
     symbols: tuple          # canonical size symbols k0, k1, ... (runtime int arguments)
+    device_type: str = "cuda"   # where the kernel's tensors live: ATen's scalar rules differ
 
     def text(self) -> str:
         """Canonical text of the IR: what the cache key hashes and what `dump --ir` shows."""
-        lines = [f"symbols {' '.join(map(str, self.symbols))}"]
+        lines = [f"device {self.device_type}", f"symbols {' '.join(map(str, self.symbols))}"]
         for i, v in enumerate(self.inputs):
             lines.append(f"%{i} = input {v.dtype} shape={v.shape} stride={v.stride} "
                          f"offset={v.storage_offset}" + (" host-scalar" if v.host_scalar else ""))
@@ -141,7 +142,7 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
         stride = canon.tup(info.stride)
         values[ids[node]] = IRValue(values[ids[node]].shape, stride, info.dtype)
     ir = KernelIR(tuple(ir_inputs), tuple(ops), tuple(values),
-                  tuple(ids[n] for n in outputs), tuple(canon.mapping.values()))
+                  tuple(ids[n] for n in outputs), tuple(canon.mapping.values()), device.type)
     graph_symbols = tuple(canon.mapping.keys())
     return ir, graph_symbols
 

@@ -317,12 +317,22 @@ class Lowering:
         for d in dims[1:]:
             common = torch.promote_types(common, d)
         out = []
-        for p, r in zip(printed, refs):
+        for i, (p, r) in enumerate(zip(printed, refs)):
             if (r is not None and self.ir.values[r].shape == () and p.dtype != common
-                    and 1 <= _category(p.dtype) <= _category(common)):   # masks stay bool
+                    and 1 <= _category(p.dtype) <= _category(common)   # masks stay bool
+                    and not self._keeps_scalar_precision(op, i, r, common)):
                 p = self._assign(ops.cast(p.name, p.dtype, common), common, p.row_level)
             out.append(p)
         return out
+
+    def _keeps_scalar_precision(self, op, position, ref, common) -> bool:
+        """ATen's CPU mul and div read a 0-dim second operand at its own precision (fp32 next
+        to a bf16/fp16 tensor: ``original_scalar_value``), not rounded to the tensor's dtype;
+        add, sub, and a 0-dim first operand are rounded. CPU kernels (the interpreter) follow
+        that; CUDA kernels round, as for a 0-dim CUDA tensor."""
+        return (self.ir.device_type == "cpu" and position == 1 and common in ops.ROUNDED
+                and op.target in ("aten.mul.Tensor", "aten.div.Tensor")
+                and self.ir.values[ref].dtype.is_floating_point)
 
     def _as(self, p, ct: torch.dtype) -> str:
         """An operand (register or scalar) in compute dtype ``ct``."""

@@ -878,3 +878,20 @@ def test_regression_recompute_exposed_output_makes_group_illegal(fn):
     reports = check_program_fn(fn, [x, s])
     assert not [g for r in reports for g in r.groups_not_generated]
     assert not leftover_aten(reports)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["mul", "div", "add", "sub", "rmul", "rdiv"])
+def test_regression_fp32_zero_dim_next_to_reduced_precision(op, dtype):
+    """Found by the fuzzer (f(x0 fp16, x1 fp32 0-dim) = x0 * x1 + x2): ATen's CPU mul and div
+    read a 0-dim fp32 second operand at fp32, add/sub and a 0-dim first operand in the
+    tensor's dtype. The interpreter's kernels must do as the CPU does; CUDA's round."""
+    fns = {"mul": lambda a, s: a * s, "div": lambda a, s: a / s, "add": lambda a, s: a + s,
+           "sub": lambda a, s: a - s, "rmul": lambda a, s: s * a, "rdiv": lambda a, s: s / a}
+    f = lambda a, s, b: fns[op](a, s) + b  # noqa: E731
+    a = torch.randn(5, 7, device=DEVICE).to(dtype)
+    s = torch.tensor(1.2345678, device=DEVICE)
+    b = torch.randn(5, 7, device=DEVICE)
+    out, reports = compile_and_run(f, (a, s, b))
+    assert kernel_count(reports) == 1
+    assert_close(out, f(a, s, b), atol=1e-6, rtol=1e-6)
