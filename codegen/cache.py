@@ -26,12 +26,18 @@ log = logging.getLogger("fusion_compiler")
 CODEGEN_VERSION = "1"
 
 
-def _codegen_fingerprint() -> str:
-    """Hash of the code generator's own source: any change to it is a new cache namespace."""
-    h = hashlib.sha256(CODEGEN_VERSION.encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.read_bytes())
+def source_fingerprint(*folders: Path, salt: str = "") -> str:
+    """Hash of the ``*.py`` sources in ``folders``: any change to them is a new cache namespace."""
+    h = hashlib.sha256(salt.encode())
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.py")):
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _codegen_fingerprint() -> str:
+    """Hash of the code generator's own source."""
+    return source_fingerprint(Path(__file__).parent, salt=CODEGEN_VERSION)
 
 
 CODEGEN_FINGERPRINT = _codegen_fingerprint()
@@ -127,16 +133,17 @@ class KernelCache:
 
 def _write_entry(path: Path, source: str, meta: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, source)
-    _atomic_write(path.with_suffix(".json"), json.dumps(meta))
+    atomic_write(path, source)
+    atomic_write(path.with_suffix(".json"), json.dumps(meta))
     return path
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, data) -> None:
+    """Write ``data`` (str or bytes) to ``path`` so that readers see all of it or nothing."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         try:

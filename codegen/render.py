@@ -322,7 +322,9 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
 
     def launch(name, grid, runtime, constexprs, settings, ind):
         """Lines launching ``name``: through Triton once per key, then directly."""
-        ints = [a for a in runtime if a != "R"]     # R is not specialized (do_not_specialize)
+        # R is not specialized (do_not_specialize); a size fixed in the IR is the same on
+        # every call of this module, so it needs no key part
+        ints = [a for a in runtime if a != "R" and a not in static]
         key = ", ".join(["dev", *settings, "index64", *spec]
                         + [f"{a} & 15, {a} == 1" for a in ints])
         pos = ", ".join(ptrs + runtime + constexprs)
@@ -337,6 +339,8 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
                 f"{pad}    kernel.run({grid}, 1, 1, raw_stream(dev), kernel.function, "
                 f"kernel.packed_metadata, None, None, None, {pos})"]
 
+    static = {name for name, e in (("numel", sympy.Mul(*shape)), ("N", shape[-1] if shape else 1))
+              if sympy.sympify(e).is_Integer}
     lines += [f"    index64 = {index64}", "    dev = current_device()"]
     if kind == "pointwise":
         lines += [f"    numel = {_py(sympy.Mul(*shape))}",

@@ -112,30 +112,9 @@ def bench_8x1024(device="cpu", dtype=torch.bfloat16):
 
 
 def main() -> int:
-    import fusion_compiler
+    from fusion_compiler.demo import run_example
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model, inputs = make_model_and_inputs(device=device)
-    with torch.no_grad():
-        expected = model(*inputs)
-        with fusion_compiler.capture_compiles() as reports:
-            actual = torch.compile(model, backend="fusion")(*inputs)
-    diff = (actual.float() - expected.float()).abs().max().item()
-    print(f"device {device}: output {tuple(actual.shape)}, max abs diff vs eager {diff:.3g}")
-    for i, r in enumerate(reports):
-        if r.error:
-            print(f"graph {i} ({r.kind}): the compiler failed, so it ran on ATen unfused: {r.error}")
-            continue
-        t = r.summary["totals"]
-        ran = "ran" if r.ran_kernels else "planned (CPU: the ATen graph ran; a GPU runs them)"
-        print(f"graph {i} ({r.kind}): {t['kernels_before']} fusible ops -> {t['kernels_after']} "
-              f"fused kernels {ran}; {t['aten_ops']} ops left on ATen (the FP8 GEMMs); "
-              f"est. {t['time_before_us']:.0f} us -> {t['time_after_us']:.0f} us")
-    print("details: fusion-compiler dump examples/fp8_mlp.py")
-    ok = torch.allclose(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    print("OK" if ok else "MISMATCH")
-    return 0 if ok and not any(r.error for r in reports) else 1
+    return run_example(make_model_and_inputs, "examples/fp8_mlp.py", "output", on_aten="the FP8 GEMMs", atol=2e-2, rtol=2e-2)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,7 @@ def _check_options(args) -> str:
     """Validate what argparse cannot; returns the cost-model profile to use."""
     import torch
 
+    from .backend import interpreting
     from .config import Config, ConfigError
     from .passes.cost_model import PROFILES
 
@@ -170,7 +171,7 @@ def _check_options(args) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DumpError(f"--device {args.device}: no CUDA device is visible here; use --device "
                         "cpu (--profile picks the GPU the cost model assumes)")
-    if args.measure and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if args.measure and device.type != "cuda" and not interpreting():
         raise DumpError("--measure times the kernels, which run on a GPU: add --device cuda on a "
                         "machine with one (or set TRITON_INTERPRET=1 for interpreter timings)")
     if args.code and args.format == "dot":

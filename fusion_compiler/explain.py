@@ -37,6 +37,7 @@ def explain(model, *inputs, dynamic=False, training=False, profile=None, code=Fa
     (a GPU, or Triton's interpreter) each summary also has ``measured``: every fused kernel
     and the ATen ops it replaced, timed, beside the cost model's predictions (measure.py)."""
     from . import measure as measure_mod
+    from .backend import interpreting
 
     torch._dynamo.reset()
     # every kernel is generated, also where none runs (a CPU machine): a group the code
@@ -64,7 +65,7 @@ def explain(model, *inputs, dynamic=False, training=False, profile=None, code=Fa
         if measure:
             rows = r.measured or []
             s["measured"] = {"groups": rows, **measure_mod.summary(rows),
-                             "interpreted": measure_mod.interpreted()}
+                             "interpreted": interpreting()}
         out.append(s)
     return out
 

@@ -158,8 +158,3 @@ def summary(rows) -> dict:
             "slower_fused": [r["group"] for r in rows
                              if r["measured_fused_us"] > r["measured_unfused_us"]]}
 
-
-def interpreted() -> bool:
-    """True when the kernels run in Triton's interpreter (the timings are not a GPU's)."""
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..codegen.cache import atomic_write, source_fingerprint
+
 log = logging.getLogger("fusion_compiler")
 
 
-def _sources_fingerprint() -> str:
-    h = hashlib.sha256()
-    for folder in (Path(__file__).parent, Path(__file__).parent.parent / "codegen"):
-        for path in sorted(folder.glob("*.py")):
-            h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-_FINGERPRINT = _sources_fingerprint()
+# the fuse pass's result depends on passes/ and on the code generator (legality is lowering)
+_FINGERPRINT = source_fingerprint(Path(__file__).parent, Path(__file__).parent.parent / "codegen")
 
 
 def graph_key(gm: torch.fx.GraphModule, ctx) -> str:
@@ -87,16 +80,6 @@ def store(ctx, key: str, groups, recomputed_anywhere, decisions) -> None:
     try:
         data = pickle.dumps(entry)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write(path, data)
     except Exception as exc:                      # noqa: BLE001 - the cache is an optimisation
         log.debug("fusion-compiler: fusion decisions not cached (%s: %s)", type(exc).__name__, exc)
