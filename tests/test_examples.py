@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fusion_compiler.cli import main as cli_main
-from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import assert_close, compile_and_run, leftover_aten
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LAYERS = 2          # the tiny configs' default
@@ -113,8 +113,16 @@ def test_gpt2_matches_eager_on_gpu_bf16(gpt2):
 # --------------------------------------------------------------------------- BERT
 
 # Per layer: residual add + LayerNorm after attention and after the MLP, exact GELU after the
-# up projection; per model: the embeddings' sum + LayerNorm.
+# up projection; per model: the embeddings' sum + LayerNorm. The other groups are transformers'
+# mask code, which varies between its versions; and where the attention is traced in its math
+# form (torch 2.11 on CUDA with transformers 5.17: bmm, masked softmax, bmm), one softmax per layer.
 BERT_LABELS = {"layernorm": 2 * LAYERS + 1, "gelu": LAYERS}
+
+
+def assert_bert_groups(got: Counter, on_aten: set):
+    assert {k: got[k] for k in BERT_LABELS} == BERT_LABELS, got
+    assert got["softmax"] == (LAYERS if "bmm" in on_aten else 0), (got, sorted(on_aten))
+    assert not on_aten & NORM_AND_ACTIVATION
 
 
 @pytest.fixture(scope="module")
@@ -126,22 +134,21 @@ def bert():
 def test_bert_dump_fuses_layernorms_and_gelu(capsys, monkeypatch, bert):
     graph = dump_graph(capsys, monkeypatch, "bert")
     assert all(g["kernel"] for g in graph["groups"])
-    assert labels(graph["groups"]) == Counter(BERT_LABELS)
     on_aten = {a["op"] for a in graph["aten_ops"]}
-    assert {"addmm", "embedding"} <= on_aten and not on_aten & NORM_AND_ACTIVATION
+    assert {"addmm", "embedding"} <= on_aten
+    assert_bert_groups(labels(graph["groups"]), on_aten)
 
 
 @INTERPRETER_ONLY
 def test_bert_matches_eager(bert):
     reports = compiled_vs_eager(bert.make_model_and_inputs, torch.float32, "cpu", seq=13)
-    assert labels(reports[0].kernels) == Counter(BERT_LABELS)
-    assert not aten_op_names(reports) & NORM_AND_ACTIVATION
+    assert_bert_groups(labels(reports[0].kernels), aten_op_names(reports))
 
 
 @pytest.mark.gpu
 def test_bert_matches_eager_on_gpu_bf16(bert):
     reports = compiled_vs_eager(bert.make_model_and_inputs, torch.bfloat16, "cuda")
-    assert labels(reports[0].kernels) == Counter(BERT_LABELS)
+    assert_bert_groups(labels(reports[0].kernels), aten_op_names(reports))
 
 
 # --------------------------------------------------------------------------- FP8 MLP
@@ -157,6 +164,25 @@ def fp8_mlp():
     return load_example("fp8_mlp")
 
 
+def cpu_scaled_mm_takes_row_scales():
+    """torch 2.13's CPU _scaled_mm takes per-row/per-column scales; 2.11's takes per-tensor only
+    (an internal assert), so the example model cannot run on the CPU there."""
+    a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+CPU_ROWWISE_FP8 = pytest.mark.skipif(
+    not cpu_scaled_mm_takes_row_scales(),
+    reason=f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only")
+
+
+@CPU_ROWWISE_FP8
 def test_fp8_mlp_dump_fuses_norm_quant_and_swiglu_quant(capsys, monkeypatch, fp8_mlp):
     graph = dump_graph(capsys, monkeypatch, "fp8_mlp")
     assert all(g["kernel"] for g in graph["groups"])
@@ -165,6 +191,7 @@ def test_fp8_mlp_dump_fuses_norm_quant_and_swiglu_quant(capsys, monkeypatch, fp8
 
 
 @INTERPRETER_ONLY
+@CPU_ROWWISE_FP8
 def test_fp8_mlp_matches_eager(fp8_mlp):
     """_scaled_mm runs on the CPU in torch 2.13, so the whole model runs here; 3 x 7 tokens."""
     reports = compiled_vs_eager(fp8_mlp.make_model_and_inputs, torch.bfloat16, "cpu",
