@@ -48,34 +48,42 @@ class KernelCache:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.modules: dict = {}
+        self._modules = {False: {}, True: {}}    # per Triton mode: interpreted or not
         self.generated = 0      # sources written by this process
         self.hits = 0           # sources found on disk
         self._fallback = None
+
+    @property
+    def modules(self) -> dict:
+        """key -> imported kernel module, in the Triton mode this process is in now."""
+        return self._modules[interpreting()]
 
     @staticmethod
     def salt() -> tuple:
         return (CODEGEN_FINGERPRINT, triton.__version__)
 
     def load(self, key: str, make_source):
-        """Module for ``key``: from memory, from disk, or built with ``make_source()``."""
-        module = self.modules.get(key)
+        """Module for ``key``: from memory, from disk, or built with ``make_source()``.
+        One module per Triton mode: jit functions made for the interpreter do not run compiled,
+        nor the other way round (TRITON_INTERPRET is read when a module is imported)."""
+        interpret = interpreting()
+        module = self._modules[interpret].get(key)
         if module is not None:
             return module
         path = self._path(self.root, key)
         source = self._read_valid(path, key)
         if source is not None:
-            module = self._import(path, key, source)
+            module = self._import(path, key, source, interpret)
             if module is not None:
                 self.hits += 1
         if module is None:
             source = make_source()
             self.generated += 1
             path = self._write(key, source)
-            module = self._import(path, key, source)
+            module = self._import(path, key, source, interpret)
             if module is None:
                 raise RuntimeError(f"fusion-compiler: generated kernel {path} does not import")
-        self.modules[key] = module
+        self._modules[interpret][key] = module
         return module
 
     @staticmethod
@@ -113,15 +121,18 @@ class KernelCache:
                 self._fallback = Path(tempfile.mkdtemp(prefix="fusion-compiler-"))
         return _write_entry(self._path(self._fallback, key), source, meta)
 
-    def _import(self, path: Path, key: str, source: str):
+    def _import(self, path: Path, key: str, source: str, interpret: bool):
         """Module from the checked source; compiled here, so no stale bytecode is ever used.
         (Triton reads the kernel's source back through ``path``.)"""
-        name = f"fusion_kernel_{key}"
+        from . import triton_lib
+
+        name = f"fusion_kernel_{key}" + ("_interpreted" if interpret else "")
         try:
             module = types.ModuleType(name)
             module.__file__ = str(path)
             sys.modules[name] = module
             exec(compile(source, str(path), "exec"), module.__dict__)
+            module.fl = triton_lib.for_mode(interpret)      # the helpers of the same mode
             module.launch  # noqa: B018  (a module without its launcher is damaged)
             return module
         except Exception as exc:  # a damaged file can fail in any way: rebuild it
@@ -129,6 +140,10 @@ class KernelCache:
             log.warning("fusion-compiler: kernel cache entry %s fails to import (%s); rebuilding",
                         path, exc)
             return None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _write_entry(path: Path, source: str, meta: dict) -> Path:

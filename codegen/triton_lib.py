@@ -4,6 +4,8 @@ On the GPU the transcendental helpers are libdevice's. Triton's interpreter (TRI
 used by the CPU tests) has no libdevice, so there they are written from the primitives it has.
 """
 import os
+import sys
+import types
 
 import triton
 import triton.language as tl
@@ -13,13 +15,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @triton.jit
 def max_combine(a, b):
-    """max that propagates NaN, as torch.amax does."""
-    return tl.where((a > b) | (a != a), a, b)
+    """max that propagates NaN, as torch.amax does (one max.NaN instruction on the GPU; a
+    compare-and-select combine cost softmax 7% of the bandwidth floor on the H200)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def min_combine(a, b):
-    return tl.where((a < b) | (a != a), a, b)
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -154,3 +157,33 @@ else:
     @triton.jit
     def pow(x, y):
         return libdevice.pow(x, y)
+
+
+_TWINS: dict = {}
+
+
+def for_mode(interpret: bool):
+    """These helpers built for the interpreter or for the GPU. ``triton.jit`` picks one or the
+    other when a function is decorated, so a process that switches TRITON_INTERPRET (a test
+    that analyzes a CPU model without running it, then one that runs it) needs both: this
+    module as imported, and a twin built from the same file under the other setting."""
+    if interpret == INTERPRET:
+        return sys.modules[__name__]
+    twin = _TWINS.get(interpret)
+    if twin is None:
+        name = f"{__name__}_{'interpreted' if interpret else 'compiled'}"
+        twin = types.ModuleType(name)
+        twin.__file__ = __file__
+        sys.modules[name] = twin
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            with open(__file__) as f:
+                exec(compile(f.read(), __file__, "exec"), twin.__dict__)
+        finally:
+            if saved is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+        _TWINS[interpret] = twin
+    return twin

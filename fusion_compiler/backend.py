@@ -9,7 +9,6 @@ the log) unless Triton's interpreter is on (TRITON_INTERPRET=1), which the tests
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from . import cudagraphs, measure
+from .codegen.cache import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
 from .report import GraphReport, aten_compute_ops, publish
@@ -42,10 +42,6 @@ class CompileContext:
     groups: list = field(default_factory=list)
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def kernel_cache(config: Config):
