@@ -99,6 +99,13 @@ class Lowering:
         self.loads, self.stores, self.tail = [], [], []
         self.levels = self._reduction_levels()
         self.pending = []       # statements that follow the reductions of the current phase
+        self.uses = [0] * len(ir.values)        # readers of each value (ops and stores)
+        for op in ir.ops:
+            for a in _flat(op.args):
+                if ref_id(a) is not None:
+                    self.uses[ref_id(a)] += 1
+        for o in ir.outputs:
+            self.uses[o] += 1
 
     # ------------------------------------------------------------------ schedule
     def run(self) -> LoweredKernel:
@@ -252,9 +259,40 @@ class Lowering:
         self._emit_to(row_level, ("select", var, parts))
         return var
 
+    def _one_plus_tanh(self, vid, op: IROp, index, preds):
+        """``1 + tanh(u)`` (GELU's tanh form) as ``2 / (1 + exp(-2u))``: the same value in
+        fp32, without libdevice's tanh (which made bias+GELU compute-bound: 73% of the HBM
+        floor on the H200, 90% with this form) and without the cancellation of 1 + tanh(u)
+        near u = -inf. Only for fp32 values whose tanh nothing else reads; None otherwise."""
+        if (op.target not in ("aten.add.Tensor", "aten.add.Scalar")
+                or dict(op.kwargs).get("alpha", 1) != 1 or len(op.args) != 2):
+            return None
+        a, b = op.args
+        tanh_ref, one = (a, b) if ref_id(a) is not None else (b, a)
+        r = ref_id(tanh_ref)
+        if r is None or r < len(self.ir.inputs) or isinstance(one, tuple) or one != 1:
+            return None
+        tanh = self.ir.ops[r - len(self.ir.inputs)]
+        out, t_val = self.ir.values[vid], self.ir.values[r]
+        if (tanh.target != "aten.tanh.default" or self.uses[r] != 1
+                or out.dtype != torch.float32 or t_val.dtype != torch.float32):
+            return None
+        u_ref = ref_id(tanh.args[0])
+        t_index = broadcast_index(index, out.shape, t_val.shape)
+        u = self.value(u_ref, broadcast_index(t_index, t_val.shape, self.ir.values[u_ref].shape),
+                       preds)
+        if u.dtype != torch.float32:
+            return None
+        row_level = self.kind != "row" or u.row_level
+        return self._assign(f"(2.0 / (1.0 + tl.exp(-2.0 * {u.name})))", torch.float32,
+                            row_level, "aten.tanh.default")
+
     def _pointwise(self, vid, op: IROp, index, preds) -> Var:
         out = self.ir.values[vid]
         t = op.target
+        fused = self._one_plus_tanh(vid, op, index, preds)
+        if fused is not None:
+            return fused
         tensors, printed = [], []
         for a in op.args:
             r = ref_id(a)

@@ -71,3 +71,40 @@ def test_bool_logic_is_one_kernel(device):
     out, reports = compile_and_run(fn, (a, b))
     assert kernel_count(reports) == 1
     assert torch.equal(out, fn(a, b))
+
+
+# ---------------------------------------------------------------- 1 + tanh(u) as 2 / (1 + e^-2u)
+def _kernel_source(reports):
+    from pathlib import Path
+    (kernel,) = [k for r in reports for k in r.kernels]
+    return Path(kernel["path"]).read_text()
+
+
+GELU_EDGES = [0.0, -0.0, 1e-4, -1e-4, 0.5, -0.5, 3.0, -3.0, 10.0, -10.0, 30.0, -30.0, 1e20,
+              -1e20, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gelu_tanh_form_without_tanh_matches_eager(dtype, device):
+    """GELU's 1 + tanh(u) is generated as 2 / (1 + exp(-2u)) (no libdevice tanh): same values
+    as eager in every dtype, NaN and +-inf included, on random data and at the edges."""
+    x = torch.cat([torch.tensor(GELU_EDGES, device=device),
+                   torch.randn(4231, device=device) * 4]).to(dtype)
+    b = torch.randn(4248, device=device).to(dtype)
+    fn = lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")  # noqa: E731
+    out, reports = compile_and_run(fn, (x, b))
+    assert kernel_count(reports) == 1
+    source = _kernel_source(reports)
+    assert "tl.exp(-2.0 *" in source and "fl.tanh(" not in source
+    assert_close(out, fn(x, b), name=f"gelu tanh {dtype}")
+
+
+def test_tanh_read_elsewhere_keeps_its_own_kernel_code(device):
+    """When tanh(u) itself is an output (or read by another op), it is computed as tanh."""
+    x = torch.randn(333, 41, device=device) * 3
+    fn = lambda x: (1 + torch.tanh(x), torch.tanh(x) * 2)  # noqa: E731
+    out, reports = compile_and_run(fn, (x,))
+    assert kernel_count(reports) == 1
+    assert "fl.tanh(" in _kernel_source(reports)
+    for got, exp in zip(out, fn(x)):
+        assert_close(got, exp)
