@@ -1,7 +1,10 @@
 """`fusion-compiler calibrate`: measure the cost model's device numbers on this GPU and store them.
 
     copy bandwidth    a 1 GiB device-to-device copy (bytes read + written) / time
-    launch overhead   time per launch of an empty Triton kernel, back to back
+    launch overhead   time per launch of a one-element generated kernel (``x + 1``), launched back
+                      to back through the backend's own launcher (host and device cost, as
+                      ``dump --measure`` times kernels); and per further output, from the same
+                      with three outputs
     peak FLOP/s       an 8192^3 bf16 matmul (the fp32 vector rate is taken as 1/16 of it)
 
 The profile is written as JSON under the cache folder, named after the GPU; later compiles on a
@@ -25,35 +28,46 @@ def profile_path(cache_dir: Path, device_name: str) -> Path:
 
 def measure(device: str = "cuda") -> DeviceProfile:
     """Measure this GPU. Needs CUDA."""
-    import triton
     from triton.testing import do_bench
 
     if not torch.cuda.is_available():
         raise RuntimeError("calibrate needs a CUDA GPU; none is visible")
+    from .measure import spin_up
+
+    spin_up()
     bandwidth = _copy_bandwidth(device, do_bench)
 
-    # no annotations here: under `from __future__ import annotations` Triton evaluates them in
-    # this module's globals, where `tl` (imported in this function) is unknown
-    @triton.jit
-    def _empty_kernel(x_ptr):
-        pass
-
-    x = torch.empty(1, device=device)
-    _empty_kernel[(1,)](x)
-    torch.cuda.synchronize()
-    reps = 2000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        _empty_kernel[(1,)](x)
-    end.record()
-    torch.cuda.synchronize()
-    launch = start.elapsed_time(end) * 1e-3 / reps
+    launch, per_output = launch_overhead(device)
 
     m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     ms = do_bench(lambda: m @ m, warmup=25, rep=100, return_mode="median")
     mm_flops = 2 * 8192 ** 3 / (ms * 1e-3)
-    return DeviceProfile(torch.cuda.get_device_name(), bandwidth, launch, mm_flops / 16)
+    return DeviceProfile(torch.cuda.get_device_name(), bandwidth, launch, mm_flops / 16,
+                         per_output)
+
+
+def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, float]:
+    """(seconds per launch, seconds per further output): tiny generated kernels with one and
+    with three outputs, each launched back to back through its launcher."""
+    one = _launch_seconds(lambda x: x + 1, device, launches)
+    three = _launch_seconds(lambda x: (x + 1, x * 3, x - 2), device, launches)
+    return one, max(three - one, 0.0) / 2
+
+
+def _launch_seconds(fn, device: str, launches: int) -> float:
+    from .measure import recording, steady_seconds
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fusion", dynamic=False)
+    x = torch.randn(1, device=device)
+    with recording() as rec, torch.no_grad():
+        compiled(x)
+    torch._dynamo.reset()
+    launchers = [launch for t in rec.targets for launch in t.launchers.values()]
+    if len(launchers) != 1:
+        raise RuntimeError(f"calibrate: expected one generated kernel, got {len(launchers)}")
+    (launch,) = launchers
+    return steady_seconds(lambda i: launch(x), launches, torch.device(device).type)
 
 
 def _copy_bandwidth(device, do_bench) -> float:

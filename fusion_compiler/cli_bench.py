@@ -88,6 +88,7 @@ def calibrate_command(args) -> int:
         print(f"fusion-compiler: error: calibration failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"{profile.name}: copy bandwidth {profile.hbm_bandwidth / 1e12:.2f} TB/s, launch "
-          f"overhead {profile.launch_overhead * 1e6:.2f} us, peak {profile.peak_flops / 1e12:.1f} "
+          f"overhead {profile.launch_overhead * 1e6:.2f} us (+{profile.launch_per_output * 1e6:.2f}"
+          f" us per further output), peak {profile.peak_flops / 1e12:.1f} "
           f"TFLOP/s (fp32 vector estimate)\nstored in {path}")
     return 0

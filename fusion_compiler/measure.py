@@ -8,7 +8,12 @@ replays that graph on those arguments to get each group's real inputs, and times
 - fused: the group's launcher (one kernel), and
 - unfused: the group's ATen ops run one by one, as eager PyTorch would run them,
 
-each as the median of many runs (CUDA events on a GPU). The cost model's predictions for both
+each as a model runs them: launched back to back (so the host's launch cost overlaps the GPU's
+work, as it does between a model's kernels), on copies of the inputs that rotate so that together
+they overflow the L2 cache (each launch reads from HBM), after an L2 flush; the time per launch
+is the median over several such batches (CUDA events on a GPU). `fusion-compiler calibrate`
+measures the launch overhead the same way, so predictions and measurements agree on what a
+launch costs. The cost model's predictions for both
 stand beside them, with the relative error of the fused prediction; the median absolute error
 over the groups says how far the model can be trusted, and a group measured slower fused than
 unfused is flagged. Under Triton's interpreter (CPU) the same code runs, but the times are the
@@ -73,24 +78,63 @@ def capture_first_call(fn, target: GraphTarget):
     return boxed
 
 
-def _timer(fn, device_type: str, min_runs=10, budget_s=0.2) -> float:
-    """Median seconds of ``fn()``: CUDA events on a GPU, the host clock elsewhere."""
-    fn()                                                      # warm-up (and compile)
-    times = []
-    start_all = time.perf_counter()
-    while len(times) < min_runs or (time.perf_counter() - start_all < budget_s and len(times) < 200):
-        if device_type == "cuda":
+L2_BYTES = 64 << 20      # more than any current GPU's L2 (H100/H200: 50 MiB)
+
+
+def copies_for(tensors, device_type: str) -> int:
+    """How many copies of ``tensors`` rotate so that together they overflow the L2 cache."""
+    if device_type != "cuda":
+        return 1
+    size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return max(2, min(32, -(-2 * L2_BYTES // max(size, 1))))
+
+
+def rotated(values, copies: int) -> list:
+    """``copies`` lists like ``values``, the first the values themselves, the rest clones."""
+    return [values] + [[v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+                       for _ in range(copies - 1)]
+
+
+def spin_up(seconds: float = 0.3) -> None:
+    """Keep the GPU busy for ``seconds``: an idle GPU clocks down (the H200 idles at 345 MHz)
+    and the first kernels timed after it would be measured slow."""
+    a = torch.randn(2048, 2048, device="cuda")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def steady_seconds(fn, copies: int, device_type: str, batches=7, budget_s=0.3) -> float:
+    """Seconds per call of ``fn(i)``, called back to back for i in range(copies) (i picks the
+    copy of the inputs), after an L2 flush: the median over ``batches`` batches (at least).
+    The host clock off the GPU."""
+    for i in range(copies):                                    # warm-up (and compile)
+        fn(i)
+    per_call = []
+    if device_type == "cuda":
+        flush = torch.empty(2 * L2_BYTES // 4, dtype=torch.int32, device="cuda")
+        start_all = time.perf_counter()
+        while len(per_call) < batches or (time.perf_counter() - start_all < budget_s
+                                          and len(per_call) < 100):
+            flush.zero_()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            for i in range(copies):
+                fn(i)
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        else:
+            per_call.append(a.elapsed_time(b) * 1e-3 / copies)
+    else:
+        start_all = time.perf_counter()
+        while len(per_call) < batches or (time.perf_counter() - start_all < budget_s
+                                          and len(per_call) < 100):
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            for i in range(copies):
+                fn(i)
+            per_call.append((time.perf_counter() - t0) / copies)
+    return statistics.median(per_call)
 
 
 class _Values(torch.fx.Interpreter):
@@ -121,26 +165,30 @@ def measure_graph(target: GraphTarget) -> list:
     interp = _Values(target.gm, wanted)
     with torch.no_grad():
         interp.run(*target.args)
+    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in target.args):
+        spin_up()
     rows = []
     for g in target.groups:
         ins = [interp.values[a] for a in g.inputs]
         device = next((t.device.type for t in ins if isinstance(t, torch.Tensor)
                        and t.device.type != "cpu"), "cpu")
         launch, syms = target.launchers[g.id], _symbol_values(g, target.size_hints)
-        fused = _timer(lambda: launch(*ins, *syms), device)
+        copies = copies_for(ins, device)
+        in_sets = rotated(ins, copies)
+        fused = steady_seconds(lambda i: launch(*in_sets[i], *syms), copies, device)
         nodes = g.nodes
+        outside_nodes = list({a: None for n in nodes for a in n.all_input_nodes
+                              if a not in g.nodes})
+        outside_sets = rotated([interp.values[a] for a in outside_nodes], copies)
 
-        outside = {a: interp.values[a] for n in nodes for a in n.all_input_nodes
-                   if a not in g.nodes}
-
-        def unfused():
-            env = dict(outside)
+        def unfused(i):
+            env = dict(zip(outside_nodes, outside_sets[i]))
             for n in nodes:
                 args = torch.fx.node.map_arg(n.args, env.__getitem__)
                 kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
                 env[n] = n.target(*args, **kwargs)
         with torch.no_grad():
-            unfused_s = _timer(unfused, device)
+            unfused_s = steady_seconds(unfused, copies, device)
         predicted_unfused = sum(target.unfused_cost[n].time for n in g.members)
         rows.append({"group": g.id, "predicted_fused_us": g.cost.time * 1e6,
                      "measured_fused_us": fused * 1e6,

@@ -1,12 +1,17 @@
 """Cost model: estimated time of a kernel from HBM bytes, FLOPs and launch overhead.
 
-    time(kernel) = launch_overhead + max(bytes_moved / hbm_bandwidth, flops / peak_flops)
+    time(kernel) = launch_overhead + launch_per_output * (outputs - 1)
+                   + max(bytes_moved / hbm_bandwidth, flops / peak_flops)
 
 bytes_moved counts each distinct tensor a kernel reads once, at its own size (a broadcast
 operand is read at its size, not the result's), and each output once. A looped row kernel that
-makes P passes over its rows reads its per-element inputs P times. A fused group saves the
-intermediates' write + read and the launches of the kernels it replaces (XLA's GPU performance
-model; launch overhead ~1-3 us per kernel).
+makes P passes over its rows reads its per-element inputs P times. flops counts one per output
+element of each op computed in the kernel, TRANSCENDENTAL_FLOPS for exp, tanh, erf and the like
+(views and casts are free). The launch terms are host and device time per launch as a model
+sees them, kernels launched back to back: a base cost, and the allocation of each further output
+(`fusion-compiler calibrate` measures both through the backend's own launchers). A fused group
+saves the intermediates' write + read and the launches of the kernels it replaces (XLA's GPU
+performance model).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class DeviceProfile:
     hbm_bandwidth: float        # bytes / s, achievable (copy bandwidth), not the datasheet peak
     launch_overhead: float      # s per kernel launch, host + device
     peak_flops: float           # fp32 FLOP/s of the vector units (memory-bound ops do fp32 math)
+    launch_per_output: float = 0.0  # s per output tensor past the first (its allocation)
 
 
 PROFILES = {
@@ -84,11 +90,31 @@ def tensor_bytes(node, size_hints: dict) -> int:
     return hint(info.numel, size_hints) * info.itemsize
 
 
-def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile) -> KernelCost:
-    """Cost of one kernel reading ``inputs`` and writing ``outputs`` (FX nodes).
+TRANSCENDENTAL_FLOPS = 8     # an exp/tanh/erf/... costs about this many adds (MUFU + fixups)
+_TRANSCENDENTAL = {"exp", "exp2", "expm1", "log", "log2", "log1p", "tanh", "sigmoid", "erf",
+                   "rsqrt", "sqrt", "sin", "cos", "pow", "div", "reciprocal"}
+_FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice",
+         "select", "unsqueeze", "squeeze", "as_strided", "clone", "_to_copy", "alias",
+         "convert_element_type", "cat", "split", "chunk"}
 
-    ``row_inputs`` are the inputs re-read on each of ``passes`` passes (looped row kernels)."""
+
+def op_flops(node, size_hints: dict) -> int:
+    """FLOPs of one op per the model above: its output elements, times its weight."""
+    name = str(node.target).split(".")[1] if "." in str(node.target) else str(node.target)
+    if name in _FREE or "fc_tensor" not in node.meta:
+        return 0
+    weight = TRANSCENDENTAL_FLOPS if name in _TRANSCENDENTAL else 1
+    return weight * hint(node.meta["fc_tensor"].numel, size_hints)
+
+
+def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile,
+                members=()) -> KernelCost:
+    """Cost of one kernel reading ``inputs``, computing ``members`` and writing ``outputs``
+    (FX nodes). ``row_inputs`` are the inputs re-read on each of ``passes`` passes (looped row
+    kernels)."""
     read = sum(tensor_bytes(n, size_hints) * (passes if n in row_inputs else 1) for n in inputs)
     written = sum(tensor_bytes(n, size_hints) for n in outputs)
-    t = profile.launch_overhead + (read + written) / profile.hbm_bandwidth
+    flops = sum(op_flops(n, size_hints) for n in members)
+    t = (profile.launch_overhead + profile.launch_per_output * max(len(outputs) - 1, 0)
+         + max((read + written) / profile.hbm_bandwidth, flops / profile.peak_flops))
     return KernelCost(read, written, 1, t)

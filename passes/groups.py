@@ -116,7 +116,7 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
         key=view.order.__getitem__)
     passes, row_inputs = _looped_passes(group, view, ctx)
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
-                             ctx.profile)
+                             ctx.profile, group.members)
     return group
 
 

@@ -52,6 +52,26 @@ def test_bytes_and_launches_of_a_pointwise_chain():
     assert abs(g.cost.time - (H200.launch_overhead + 8000 / H200.hbm_bandwidth)) < 1e-15
 
 
+def test_flops_and_further_outputs_by_hand():
+    """time = launch + per_output * (outputs - 1) + max(bytes / bw, flops / peak): with a peak
+    low enough that the FLOPs bind, exp (8 FLOPs an element) + mul (1), two outputs."""
+    from fusion_compiler.passes.cost_model import kernel_cost
+    x = torch.randn(1000)
+    def f(t):
+        e = torch.exp(t)
+        return e, e * 2.0
+    ctx = analyze(f, x)
+    (g,) = ctx.groups
+    assert ops_of(g) == ["exp", "mul"] and len(g.outputs) == 2
+    slow = dataclasses.replace(H200, peak_flops=1e9, launch_per_output=1e-6)
+    cost = kernel_cost(g.inputs, g.outputs, 1, set(), ctx.size_hints, slow, g.members)
+    assert cost.bytes == 12000
+    assert abs(cost.time - (H200.launch_overhead + 1e-6 + 9000 / 1e9)) < 1e-15
+    fast = dataclasses.replace(H200, launch_per_output=1e-6)     # now the bytes bind
+    cost = kernel_cost(g.inputs, g.outputs, 1, set(), ctx.size_hints, fast, g.members)
+    assert abs(cost.time - (H200.launch_overhead + 1e-6 + 12000 / H200.hbm_bandwidth)) < 1e-15
+
+
 def test_bytes_of_add_rmsnorm_count_the_broadcast_weight_at_its_own_size():
     from patterns import add_rmsnorm
     x, r, w = torch.randn(7, 41), torch.randn(7, 41), torch.randn(41)
