@@ -1,0 +1,179 @@
+"""Which code-generation change would close a pattern's gap to the HBM floor? (GPU)
+
+    python benchmarks/variants.py [--out DIR] [--only NAME ...]
+
+For each pattern below the 90% target, the kernel the backend generates is rewritten by small
+text substitutions (each a hypothesis: a cheaper reduction combine, a reciprocal instead of a
+per-element division, a compile-time row length, a cheaper tanh, other block shapes) and timed
+beside the original and Inductor on the same inputs (do_bench medians, L2 flushed), with its
+error against eager. A variant that wins here is then built into the code generator properly;
+this script only measures. Writes the kernels' PTX and Inductor's code under --out.
+"""
+import argparse
+import importlib.util
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from patterns import cases, copy_bandwidth  # noqa: E402
+
+from fusion_compiler.measure import recording  # noqa: E402
+
+RECIP = (r"\((\w+) / (\w+)\)", r"(\1 * (1.0 / \2))")
+TL_MAX = (r"fl\.row_max\(", "tl.max(")
+# no masks: what a kernel specialized to sizes that divide its blocks would look like
+NO_MASK = [(r", mask=rmask & cmask, other=0\)", ")"), (r", mask=rmask & cmask\)", ")"),
+           (r", mask=cmask, other=0\)", ")"), (r", mask=rmask\)", ")"),
+           (r"tl\.where\(mask, (\w+), (?:float\(\"-inf\"\)|0\.0)\)", r"\1"),
+           (r", mask=xmask, other=0\)", ")"), (r", mask=xmask\)", ")")]
+
+
+def const_n(n):
+    return (r"cmask = cols < N", f"cmask = cols < {n}")
+
+
+def block(b, w):
+    return (r"BLOCK, num_warps = pointwise_settings\(numel\)", f"BLOCK, num_warps = {b}, {w}")
+
+
+def rows(x, w):
+    return (r"XBLOCK, RBLOCK, looped, num_warps = row_settings\((\w+), (\w+), (\d+)\)",
+            rf"XBLOCK, RBLOCK, looped, num_warps = {x}, triton.next_power_of_2(\2), False, {w}")
+
+
+VARIANTS = {
+    "bias_gelu": {
+        "block 4096 w8": [block(4096, 8)],
+        "block 2048 w4": [block(2048, 4)],
+        "no masks, block 4096 w8": NO_MASK + [block(4096, 8)],
+    },
+    "swiglu": {
+        "block 4096 w8": [block(4096, 8)],
+        "block 2048 w4": [block(2048, 4)],
+    },
+    "dequant_add": {
+        "block 4096 w8": [block(4096, 8)],
+        "block 2048 w4": [block(2048, 4)],
+    },
+    "softmax_scale": {
+        "no masks": NO_MASK,
+        "no masks, 8 rows w8": NO_MASK + [rows(8, 8)],
+        "no masks, 2 rows w4": NO_MASK + [rows(2, 4)],
+    },
+    "add_rmsnorm": {
+        "no masks": NO_MASK,
+    },
+    "rmsnorm_fp8": {
+        "recip": [RECIP],
+        "no masks": NO_MASK,
+        "recip + no masks": [RECIP] + NO_MASK,
+    },
+    "rmsnorm_dynamic_fp8": {
+        "recip": [RECIP],
+        "no masks": NO_MASK,
+        "recip + no masks": [RECIP] + NO_MASK,
+    },
+}
+
+
+def load_module(source: str, name: str, folder: Path):
+    path = folder / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(out, expected) -> dict:
+    """Worst error over the outputs, matched by shape and dtype (a launcher returns them in its
+    group's order, not necessarily the function's)."""
+    out = list(out) if isinstance(out, (tuple, list)) else [out]
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    worst, exact = 0.0, 1.0
+    for e in expected:
+        i = next(i for i, o in enumerate(out) if o.shape == e.shape and o.dtype == e.dtype)
+        a = out.pop(i)
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            exact = min(exact, (a.view(torch.uint8) == e.view(torch.uint8)).float().mean().item())
+        worst = max(worst, (a.float() - e.float()).abs().max().item())
+    return {"max_abs_error": worst, "fp8_bits_equal": exact}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/variants")
+    ap.add_argument("--only", nargs="*", default=None)
+    a = ap.parse_args()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = {"copy_TBps": bw / 1e12, "patterns": {}}
+    all_cases = cases(16384)
+    for name, variants in VARIANTS.items():
+        if a.only and name not in a.only:
+            continue
+        fn, make, nbytes = all_cases[name]
+        floor_ms = nbytes / bw * 1e3
+        args = make()
+        expected = fn(*args)
+        torch._dynamo.reset()
+        with recording() as rec, torch.no_grad():
+            compiled = torch.compile(fn, backend="fusion")
+            compiled(*args)
+        (target,) = rec.targets
+        (group,) = target.groups
+        placeholders = [n for n in target.gm.graph.nodes if n.op == "placeholder"]
+        ins = [args[placeholders.index(n)] for n in group.inputs]
+        (kernel,) = target.report.kernels
+        source = Path(kernel["path"]).read_text()
+        code = [f"# ===== {name}: fusion =====\n{source}"]
+        row = {"floor_ms": floor_ms}
+        timed = {"eager": lambda: fn(*args), "fusion": lambda: compiled(*args)}
+        torch._dynamo.reset()
+        inductor = torch.compile(fn)
+        from torch._inductor.utils import run_and_get_code
+        _, codes = run_and_get_code(inductor, *args)
+        code.append(f"# ===== {name}: inductor =====\n" + "\n\n".join(codes))
+        timed["inductor"] = lambda: inductor(*args)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        for vname, subs in {"generated": [], **variants}.items():
+            text = source
+            for pat, rep in subs:
+                text, count = re.subn(pat, rep, text)
+                if count == 0:
+                    print(f"  {name} / {vname}: pattern {pat!r} not found", flush=True)
+            try:
+                mod = load_module(text, f"v_{name}_{len(timed)}", work)
+                got = mod.launch(dev, *ins)
+                row.setdefault("errors", {})[vname] = compare(got, expected)
+                timed[vname] = (lambda m=mod: m.launch(dev, *ins))
+                if vname == "generated":
+                    table = next(v for k, v in vars(mod).items() if k.startswith("_COMPILED_"))
+                    for compiled_kernel in table.values():
+                        code.append(f"# ===== {name}: fusion PTX =====\n{compiled_kernel.asm['ptx']}")
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                row.setdefault("failed", {})[vname] = f"{type(e).__name__}: {e}"[:300]
+                print(f"  {name} / {vname}: failed: {e}"[:300], flush=True)
+        for label, f in timed.items():
+            ms = do_bench(f, warmup=25, rep=200, return_mode="median")
+            row[label] = {"ms": ms, "pct_floor": 100 * floor_ms / ms}
+            print(f"{name:22s} {label:28s} {ms * 1e3:8.1f} us  {100 * floor_ms / ms:5.1f}% of floor",
+                  flush=True)
+        results["patterns"][name] = row
+        with open(out_dir / "code.txt", "a") as f:
+            f.write("\n".join(code) + "\n")
+        torch.cuda.empty_cache()
+    (out_dir / "variants.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
