@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from fusion_compiler.codegen import triton_lib as fl
-from fusion_compiler.codegen.launch import (current_device, pointwise_settings, raw_stream,
-                                            remember, row_settings)
+from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cuda,
+                                            pointwise_settings, raw_stream, remember, row_settings)
 """
 
 
@@ -305,11 +305,18 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
         else:
             spec.append(f"in{i}.data_ptr() & 15")
     outs = []       # fresh allocations: always 16-byte aligned, no key part needed
+    fast, slow = [], []
     for p, o in enumerate(ir.outputs):
         v = ir.values[o]
-        lines.append(f"    out{p} = torch.empty_strided(({''.join(_py(s) + ', ' for s in v.shape)}), "
-                     f"({''.join(_py(s) + ', ' for s in v.stride)}), dtype={v.dtype}, device=DEVICE)")
+        size = f"({''.join(_py(s) + ', ' for s in v.shape)})"
+        stride = f"({''.join(_py(s) + ', ' for s in v.stride)})"
+        fast.append(f"        out{p} = empty_cuda({size}, {stride}, {v.dtype})")
+        slow.append(f"        out{p} = torch.empty_strided({size}, {stride}, dtype={v.dtype}, "
+                    f"device=DEVICE)")
         outs.append(f"out{p}")
+    lines.append("    dev = current_device()")
+    if outs:
+        lines += ["    if FAST_ALLOC and DEVICE.index == dev:", *fast, "    else:", *slow]
     extents = [sympy.Mul(*shape)] + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
                                      if not v.host_scalar]
     extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
@@ -341,7 +348,7 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
 
     static = {name for name, e in (("numel", sympy.Mul(*shape)), ("N", shape[-1] if shape else 1))
               if sympy.sympify(e).is_Integer}
-    lines += [f"    index64 = {index64}", "    dev = current_device()"]
+    lines += [f"    index64 = {index64}"]
     if kind == "pointwise":
         lines += [f"    numel = {_py(sympy.Mul(*shape))}",
                   "    if numel > 0:",
