@@ -4,7 +4,8 @@ For each target and backend: median latency (triton.testing.do_bench: warm-up, t
 of repeated calls on fresh random inputs), speedup over eager, the HBM floor and the fraction of
 it reached (patterns), CUDA kernels launched per call (profiler count), cold compile time (first
 call) and warm compile time (dynamo reset, kernel caches full), peak memory, and the largest
-difference from eager.
+difference from eager. With ``breakdown=True``, also where one call's GPU time goes
+(breakdown.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from . import breakdown as BD
 from . import patterns as P
 
 # name -> torch.compile arguments (None: eager). "-cg": CUDA graphs (mode="reduce-overhead").
@@ -72,8 +74,9 @@ def kernels_per_call(fn, args) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None) -> dict:
-    """Numbers for one target on one backend."""
+def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None,
+            breakdown=False) -> dict:
+    """Numbers for one target on one backend (``breakdown``: and its GPU time per category)."""
     from triton.testing import do_bench
 
     torch._dynamo.reset()
@@ -118,6 +121,12 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
     if floor_bytes:
         row["floor_ms"] = floor_bytes / _copy_bandwidth() * 1e3
         row["frac_of_floor"] = row["floor_ms"] / ms
+    if breakdown:
+        with torch.no_grad() if mode == "inference" else _null():
+            kernels = BD.profile_call(step, args)
+        # a pattern's floor (inference) is its fused kernels' floor when they do all its work
+        whole = "floor_ms" in row and mode == "inference" and BD.all_fused(kernels)
+        row["breakdown"] = BD.summarize(kernels, row["floor_ms"] * 1e3 if whole else None)
     return row, out
 
 
@@ -162,8 +171,10 @@ def _copy_bandwidth() -> float:
     return _BW[0]
 
 
-def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, progress=sys.stderr):
-    """Benchmark ``targets`` [(name, fn, make_inputs, is_pattern)]; print a table, return rows."""
+def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, progress=sys.stderr,
+        breakdown=False):
+    """Benchmark ``targets`` [(name, fn, make_inputs, is_pattern)]; print a table (and with
+    ``breakdown``, a GPU time breakdown per target and backend), return rows."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench times kernels on a CUDA GPU and none is visible")
     results = {"copy_TBps": _copy_bandwidth() / 1e12, "mode": mode, "targets": {}}
@@ -183,7 +194,7 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
             print(f"[{done}/{total}] {name}: {backend}", file=progress, flush=True)
             if start is not None:
                 fn.load_state_dict(start)
-            row, out = measure(fn, make, backend, mode, floor, ref)
+            row, out = measure(fn, make, backend, mode, floor, ref, breakdown)
             if backend == "eager":
                 ref = out
             rows[backend] = row
@@ -192,6 +203,8 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
             row["speedup_vs_eager"] = eager_ms / row["ms"] if eager_ms else None
         results["targets"][name] = rows
     print(format_table(results))
+    if breakdown:
+        print("\n" + BD.format_tables(results["targets"]))
     if out_path:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -21,6 +21,11 @@ def add_parser(sub) -> None:
     b.add_argument("--mode", choices=("inference", "training"), default="inference")
     b.add_argument("--rows", type=int, help="rows of the patterns (default: the anchor sizes)")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument("--breakdown", action="store_true",
+                   help="also profile one call per target and backend and print where its GPU "
+                        "time goes: GEMM, attention, fused kernels, ATen ops left unfused, gaps "
+                        "between kernels (share of the call, kernels, %% of the HBM floor of "
+                        "the fused kernels where known); in the JSON under 'breakdown'")
     b.add_argument("-o", "--output", metavar="FILE", help="also write the results as JSON")
     b.add_argument("--debug", action="store_true", help="show tracebacks of errors")
 
@@ -52,7 +57,7 @@ def command(args) -> int:
                     targets.append((name, fn, make, True))
                 else:
                     targets.append(_model_target(name, args.dtype))
-        bench.run(targets, backends, args.mode, args.output)
+        bench.run(targets, backends, args.mode, args.output, breakdown=args.breakdown)
     except Exception as exc:        # noqa: BLE001 - one line unless --debug
         if args.debug:
             traceback.print_exception(exc)

@@ -1,0 +1,239 @@
+"""`bench --breakdown`: kernel names to categories, time per category over a call's GPU span,
+the table and the JSON, and the CLI flag. Synthetic traces: no GPU needed."""
+import json
+import re
+
+import pytest
+
+from fusion_compiler import bench
+from fusion_compiler.breakdown import (CATEGORIES, Kernel, all_fused, category, format_table,
+                                       format_tables, summarize)
+from fusion_compiler.cli import main
+
+from conftest import HAS_CUDA
+
+# names as a profiler trace (demangled) shows them on A100/H100/H200
+NAMES = {
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_"
+    "execute_segment_k_off_kernel__5x_cublas": "gemm",
+    "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn": "gemm",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>"
+    "(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8::Params)": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, "
+    "__nv_bfloat16, true, false, false>(cublasLt::cublasSplitKParams<float>, float const*, "
+    "__nv_bfloat16 const*, __nv_bfloat16*, float const*, float const*, __nv_bfloat16 const*, "
+    "float const*, __nv_bfloat16*, void*, long, float*, int*)": "gemm",
+    "void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false, "
+    "cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<float const>, "
+    "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, "
+    "float> >(cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<float const>, "
+    "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, "
+    "float>, float, float)": "gemm",
+    # a convolution: `fprop` does not make it attention
+    "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_"
+    "warpgroupsize1x1x1_g1_execute_kernel__5x_cudnn": "gemm",
+    "triton_tem_fused_mm_0": "gemm",
+    "matmul_kernel": "gemm",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_"
+    "cga1x1x1_kernel0_0": "attention",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, "
+    "false, cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, "
+    "false, false, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)":
+        "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<"
+    "128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, "
+    "128, 8, cutlass::bfloat16_t> >, false, false, false, false, false, false, false, false>"
+    "(pytorch_flash::Flash_bwd_params)": "attention",
+    "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+    "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)":
+        "attention",
+    "triton_tem_fused_flex_attention_0": "attention",
+    "_pointwise_kernel": "fused",
+    "_persistent_kernel": "fused",
+    "_looped_kernel": "fused",
+    "triton_per_fused__softmax_0": "fused",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "fused",
+    # Inductor names kernels after the ATen ops they hold: this one is SDPA's input copy
+    "triton_poi_fused__scaled_dot_product_efficient_attention_transpose_view_2": "fused",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16, "
+    "c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, "
+    "std::array<char*, 3ul> >(int, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, "
+    "c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul>)":
+        "aten",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<"
+    "float, float, float, float>, unsigned int, c10::BFloat16, 4> >(at::native::ReduceOp<float, "
+    "at::native::MeanOps<float, float, float, float>, unsigned int, c10::BFloat16, 4>)": "aten",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, "
+    "c10::BFloat16, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(c10::BFloat16*, "
+    "c10::BFloat16 const*, int)": "aten",
+    "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
+    "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() "
+    "const::{lambda()#7}::operator()() const::{lambda(float)#1}> >(int, "
+    "at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda("
+    "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() "
+    "const::{lambda(float)#1}>)": "aten",
+    "Memcpy DtoD (Device -> Device)": "aten",
+    "Memset (Device)": "aten",
+}
+
+GEMM = "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"
+ATTENTION = "fmha_cutlassF_bf16_aligned_64x64_rf_sm80"
+ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4, ...>"
+
+# two streams: a GEMM [0, 10) and attention [5, 15) overlap by 5 us; then our kernel
+# [20, 30) and an ATen one [32, 35). Span 35, busy 15 + 10 + 3 = 28, gaps 5 + 2 = 7
+OVERLAPPING = [Kernel("_persistent_kernel", 20.0, 10.0), Kernel(GEMM, 0.0, 10.0),
+               Kernel(ATTENTION, 5.0, 10.0), Kernel(ELEMENTWISE, 32.0, 3.0)]
+
+
+def us(result):
+    return {cat: round(row["us"], 9) for cat, row in result["categories"].items()}
+
+
+def parse(table):
+    """{label: (us, share %, kernels, floor)} from the rows of a breakdown table."""
+    rows = {}
+    for line in table.splitlines()[2:]:
+        m = re.fullmatch(r"  (.+?)\s+([\d.]+)\s+([\d.]+)%\s+(\d+)\s+(\S+)", line)
+        assert m, f"not a row: {line!r}"
+        rows[m[1]] = (float(m[2]), float(m[3]), int(m[4]), m[5])
+    return rows
+
+
+@pytest.mark.parametrize("name, expected", NAMES.items(), ids=lambda v: str(v)[:40])
+def test_realistic_kernel_names_fall_into_their_category(name, expected):
+    assert category(name) == expected
+
+
+def test_mm_is_a_gemm_only_as_a_word():
+    assert [category(n) for n in ("bmm_kernel", "_scaled_mm", "void mm<float>", "commit_kernel",
+                                  "hammer_kernel")] == ["gemm", "gemm", "gemm", "aten", "aten"]
+
+
+def test_overlapping_kernels_split_their_shared_time_and_gaps_are_the_idle_rest():
+    result = summarize(OVERLAPPING)
+    assert result["span_us"] == 35.0 and result["busy_us"] == 28.0 and result["kernels"] == 4
+    assert us(result) == {"gemm": 7.5, "attention": 7.5, "fused": 10.0, "aten": 3.0, "gaps": 7.0}
+    assert [result["categories"][c]["kernels"] for c in CATEGORIES] == [1, 1, 1, 1, 0]
+    assert result["categories"]["gaps"]["share"] == pytest.approx(0.2)
+    assert result["categories"]["fused"]["share"] == pytest.approx(10 / 35)
+
+
+def test_disjoint_kernels_count_whole_and_gaps_sum_the_holes():
+    # [10, 14) and [15, 20) fused, [26, 27) ATen: span 17, holes 1 + 6
+    result = summarize([Kernel("_pointwise_kernel", 10.0, 4.0), Kernel("_looped_kernel", 15.0, 5.0),
+                        Kernel("Memset (Device)", 26.0, 1.0)])
+    assert result["span_us"] == 17.0 and result["busy_us"] == 10.0
+    assert us(result) == {"gemm": 0.0, "attention": 0.0, "fused": 9.0, "aten": 1.0, "gaps": 7.0}
+    assert result["categories"]["fused"]["kernels"] == 2
+    assert result["categories"]["fused"]["share"] == pytest.approx(9 / 17)
+
+
+def test_a_kernel_inside_another_and_kernels_touching_end_to_start():
+    # [0, 10) GEMM holds [2, 4) ATen: 2 us shared; then [10, 12) fused starts as the GEMM ends
+    result = summarize([Kernel(GEMM, 0.0, 10.0), Kernel(ELEMENTWISE, 2.0, 2.0),
+                        Kernel("_pointwise_kernel", 10.0, 2.0)])
+    assert us(result) == {"gemm": 9.0, "attention": 0.0, "fused": 2.0, "aten": 1.0, "gaps": 0.0}
+    assert result["span_us"] == 12.0 and result["busy_us"] == 12.0
+
+
+def test_a_kernel_of_no_duration_counts_but_takes_no_time():
+    result = summarize([Kernel(GEMM, 0.0, 4.0), Kernel("Memset (Device)", 2.0, 0.0),
+                        Kernel("_pointwise_kernel", 6.0, 2.0)])
+    assert us(result) == {"gemm": 4.0, "attention": 0.0, "fused": 2.0, "aten": 0.0, "gaps": 2.0}
+    assert result["categories"]["aten"]["kernels"] == 1 and result["kernels"] == 3
+
+
+@pytest.mark.parametrize("kernels", [OVERLAPPING, OVERLAPPING[:1], OVERLAPPING[1:],
+                                     [Kernel(n, 3.0 * i, 2.5) for i, n in enumerate(NAMES)]])
+def test_shares_sum_to_one(kernels):
+    result = summarize(kernels)
+    assert sum(row["share"] for row in result["categories"].values()) == pytest.approx(1.0)
+    assert sum(row["kernels"] for row in result["categories"].values()) == len(kernels)
+
+
+def test_no_kernels_gives_zeros_not_nan():
+    result = summarize([], fused_floor_us=5.0)
+    assert result["span_us"] == 0.0 and result["kernels"] == 0
+    assert all(row == {"us": 0.0, "kernels": 0, "share": 0.0, "floor_frac": None}
+               for row in result["categories"].values())
+    assert parse(format_table("toy", "fusion", result))["gaps"] == (0.0, 0.0, 0, "-")
+
+
+def test_floor_is_reported_for_the_fused_kernels_only_when_known():
+    known = summarize(OVERLAPPING, fused_floor_us=5.0)     # 5 us of floor in 10 us of fused
+    assert known["categories"]["fused"]["floor_frac"] == 0.5
+    assert [known["categories"][c]["floor_frac"] for c in ("gemm", "attention", "aten", "gaps")] \
+        == [None] * 4
+    assert summarize(OVERLAPPING)["categories"]["fused"]["floor_frac"] is None
+    # no fused kernel: nothing to compare the floor with
+    assert summarize(OVERLAPPING[1:], 5.0)["categories"]["fused"]["floor_frac"] is None
+
+
+def test_all_fused_only_when_every_kernel_is_generated():
+    assert all_fused([Kernel("_pointwise_kernel", 0, 1),
+                      Kernel("triton_per_fused__softmax_0", 1, 1)])
+    assert not all_fused([Kernel("_pointwise_kernel", 0, 1), Kernel("Memset (Device)", 1, 1)])
+    assert not all_fused([])
+
+
+def test_table_labels_fused_with_the_backend_and_shows_every_category():
+    table = format_table("add_rmsnorm", "inductor", summarize(OVERLAPPING, fused_floor_us=5.0))
+    assert table.splitlines()[0] == "add_rmsnorm / inductor: GPU span 35.0us, 4 kernels"
+    assert parse(table) == {"gemm": (7.5, 21.4, 1, "-"), "attention": (7.5, 21.4, 1, "-"),
+                            "fused (inductor)": (10.0, 28.6, 1, "50%"),
+                            "aten": (3.0, 8.6, 1, "-"), "gaps": (7.0, 20.0, 0, "-")}
+    assert "fused" in parse(format_table("add_rmsnorm", "eager", summarize(OVERLAPPING)))
+
+
+def test_run_prints_a_breakdown_per_target_and_backend_and_writes_it_to_json(
+        monkeypatch, tmp_path, capsys):
+    """bench.run with the GPU parts replaced: the wiring from measure to table and JSON."""
+    import torch
+
+    def fake_measure(fn, make, backend, mode, floor, ref, breakdown):
+        assert breakdown is True
+        row = {"backend": backend, "ms": 0.035 if backend == "eager" else 0.025,
+               "cold_compile_s": 0.0, "warm_compile_s": None, "kernels_per_call": 4,
+               "peak_mem_bytes": 0, "max_err_vs_eager": None,
+               "breakdown": summarize(OVERLAPPING)}
+        return row, None
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "_copy_bandwidth", lambda: 4.0e12)
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    path = tmp_path / "bench.json"
+    bench.run([("toy", None, None, False)], ("eager", "fusion"), out_path=path,
+              breakdown=True)
+    out = capsys.readouterr().out
+    main_table, tables = out.split("\n\n", 1)
+    assert "toy" in main_table and "GPU span" not in main_table
+    assert [t.splitlines()[0] for t in tables.strip().split("\n\n")] == [
+        "toy / eager: GPU span 35.0us, 4 kernels", "toy / fusion: GPU span 35.0us, 4 kernels"]
+    doc = json.loads(path.read_text())
+    gaps = doc["targets"]["toy"]["fusion"]["breakdown"]["categories"]["gaps"]
+    assert gaps == {"us": 7.0, "kernels": 0, "share": 0.2, "floor_frac": None}
+    assert format_tables(doc["targets"]) == tables.strip()
+
+
+@pytest.mark.parametrize("flag, expected", [(["--breakdown"], True), ([], False)])
+def test_the_flag_reaches_bench_run(monkeypatch, flag, expected):
+    import torch
+    seen = {}
+
+    def fake_run(targets, backends, mode, out_path, breakdown=False):
+        seen.update(targets=[t[0] for t in targets], breakdown=breakdown)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", fake_run)
+    assert main(["bench", "add_rmsnorm", *flag]) == 0
+    assert seen == {"targets": ["add_rmsnorm"], "breakdown": expected}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU is visible: bench would run")
+def test_bench_breakdown_without_a_gpu_says_so(capsys):
+    assert main(["bench", "add_rmsnorm", "--breakdown"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA GPU" in err[0]
+    assert err[0].startswith("fusion-compiler: error:")
