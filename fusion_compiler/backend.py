@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from . import attention, cudagraphs, measure
+from . import cudagraphs, measure
 from .codegen.cache import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
@@ -133,7 +133,6 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         raise ConfigError(f"the fusion backend takes mode= and options=, not {', '.join(kwargs)}")
     if config.disable:
         return gm.forward
-    attention.keep_attention_whole(gm)      # inference graphs: SDPA picks its kernel at run time
 
     def compiler(kind):
         def compile_fn(aten_gm, _example_inputs):
