@@ -5,6 +5,8 @@
                       to back through the backend's own launcher (host and device cost, as
                       ``dump --measure`` times kernels); and per further output, from the same
                       with three outputs
+    kernel latency    GPU time per such kernel with the host out of the way (queued behind a
+                      GPU sleep)
     peak FLOP/s       an 8192^3 bf16 matmul (the fp32 vector rate is taken as 1/16 of it)
 
 The profile is written as JSON under the cache folder, named after the GPU; later compiles on a
@@ -38,12 +40,13 @@ def measure(device: str = "cuda") -> DeviceProfile:
     bandwidth = _copy_bandwidth(device, do_bench)
 
     launch, per_output = launch_overhead(device)
+    latency = kernel_latency(device)
 
     m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     ms = do_bench(lambda: m @ m, warmup=25, rep=100, return_mode="median")
     mm_flops = 2 * 8192 ** 3 / (ms * 1e-3)
     return DeviceProfile(torch.cuda.get_device_name(), bandwidth, launch, mm_flops / 16,
-                         per_output)
+                         per_output, latency)
 
 
 def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, float]:
@@ -54,8 +57,38 @@ def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, f
     return one, max(three - one, 0.0) / 2
 
 
+def kernel_latency(device: str = "cuda", launches: int = 200) -> float:
+    """GPU seconds per tiny kernel when the host is not the limit: the launches are queued
+    behind a GPU sleep long enough for the host to enqueue them all, so the time after the
+    sleep is the GPU's alone."""
+    launch, x = _tiny_launcher(lambda x: x + 1, device)
+    cycles = 200_000_000        # ~0.1 s at ~2 GHz: far longer than enqueueing the launches
+
+    def timed(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        for _ in range(n):
+            launch(x)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+
+    timed(launches)                                   # warm-up
+    per = [(timed(launches) - timed(0)) / launches for _ in range(3)]
+    return max(sorted(per)[1], 0.0)
+
+
 def _launch_seconds(fn, device: str, launches: int) -> float:
-    from .measure import recording, steady_seconds
+    from .measure import steady_seconds
+
+    launch, x = _tiny_launcher(fn, device)
+    return steady_seconds(lambda i: launch(x), launches, torch.device(device).type)
+
+
+def _tiny_launcher(fn, device: str):
+    """(launcher, input) of ``fn`` compiled for a one-element tensor: it must be one kernel."""
+    from .measure import recording
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="fusion", dynamic=False)
@@ -66,8 +99,7 @@ def _launch_seconds(fn, device: str, launches: int) -> float:
     launchers = [launch for t in rec.targets for launch in t.launchers.values()]
     if len(launchers) != 1:
         raise RuntimeError(f"calibrate: expected one generated kernel, got {len(launchers)}")
-    (launch,) = launchers
-    return steady_seconds(lambda i: launch(x), launches, torch.device(device).type)
+    return launchers[0], x
 
 
 def _copy_bandwidth(device, do_bench) -> float:

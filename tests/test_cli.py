@@ -269,10 +269,10 @@ def test_training_dumps_forward_and_backward(capsys):
 
 def test_profile_changes_estimated_times(capsys):
     h200 = dump_json(capsys, LLAMA, "--profile", "h200")["graphs"][0]
-    h100 = dump_json(capsys, LLAMA, "--profile", "H100")["graphs"][0]
-    assert (h200["profile"], h100["profile"]) == ("h200", "h100")
-    assert h100["totals"]["bytes_before"] == h200["totals"]["bytes_before"]
-    assert h100["totals"]["time_before_us"] > h200["totals"]["time_before_us"]
+    a100 = dump_json(capsys, LLAMA, "--profile", "A100")["graphs"][0]     # slower launches too
+    assert (h200["profile"], a100["profile"]) == ("h200", "a100")
+    assert a100["totals"]["bytes_before"] == h200["totals"]["bytes_before"]
+    assert a100["totals"]["time_before_us"] > h200["totals"]["time_before_us"]
 
 
 def test_module_target_dtype_and_single_tensor_inputs(capsys, tiny, monkeypatch):
