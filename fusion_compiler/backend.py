@@ -19,6 +19,7 @@ from . import cudagraphs, measure
 from .codegen.cache import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
+from .passes import fast_calls
 from .report import GraphReport, aten_compute_ops, publish
 from .summary import summarize
 
@@ -111,6 +112,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     if target is not None:
         target.report = report
         new_gm._fc_measure = target
+    fast_calls.run(new_gm)      # last: the report has named the ATen ops it keeps
     return new_gm
 
 
