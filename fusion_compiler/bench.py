@@ -28,7 +28,7 @@ DEFAULT_BACKENDS = ("eager", "inductor", "fusion")
 
 
 def pattern_target(name: str, rows=None, dtype=torch.bfloat16):
-    """(fn, make_inputs, floor_bytes_fn) for a built-in pattern at its anchor size."""
+    """(fn, make_inputs) for a built-in pattern at its anchor size (or ``rows`` rows)."""
     size = P.ANCHOR_SIZES.get(name)
     if name not in P.PATTERNS or size is None:
         raise KeyError(name)
