@@ -133,8 +133,12 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
 
     for node in nodes:
         info: TensorInfo = node.meta["fc_tensor"]
-        ops.append(IROp(str(node.target), encode(tuple(node.args)),
-                        tuple(sorted((k, encode(v)) for k, v in node.kwargs.items()))))
+        args, kwargs = tuple(node.args), node.kwargs
+        if node.target is torch.ops.aten.full_like.default:
+            # a constant of the output's shape and dtype (both in the IR value): only the value
+            args, kwargs = args[1:2], {}
+        ops.append(IROp(str(node.target), encode(args),
+                        tuple(sorted((k, encode(v)) for k, v in kwargs.items()))))
         ids[node] = len(values)
         values.append(IRValue(canon.tup(info.shape), (), info.dtype))
     for node in outputs:

@@ -28,7 +28,8 @@ from .indexing import INDEX_OPS as _INDEX_OPS, broadcast_index, print_expr, view
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
-              "aten.amax.default": "max", "aten.amin.default": "min"}
+              "aten.amax.default": "max", "aten.amin.default": "min",
+              "aten.any.dim": "max"}      # any: the max of (x != 0) as 0.0 / 1.0
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
 COL = sympy.Symbol("c", integer=True, nonnegative=True)
 
@@ -154,6 +155,8 @@ class Lowering:
         src = self.value(ref_id(op.args[0]), full, frozenset())
         if src.dtype == torch.float64:
             raise NotFusable("fp64 reductions stay on ATen")
+        if op.target == "aten.any.dim":
+            src = self._assign(f"({src.name} != 0).to(tl.float32)", torch.float32, src.row_level)
         dtype = self.ir.values[vid].dtype
         res = Var(self._name(kind), torch.float32, False)
         self.phases[-1].reductions.append((res, kind, self._name("acc"), src))
@@ -213,6 +216,9 @@ class Lowering:
             return self._as_strided(args, index, preds)
         if t == "aten.cat.default":
             return self._cat(vid, args, kw, index, preds)
+        if t == "aten.full_like.default":       # args: (value,); shape and dtype are the IR's
+            return self._assign(f"tl.full([1], {self._as(args[0], out.dtype)}, "
+                                f"{ops.reg_dtype(out.dtype)})", out.dtype, self.kind != "row")
         return self._pointwise(vid, op, index, preds)
 
     def _reduction_value(self, vid, index):

@@ -45,6 +45,7 @@ _POINTWISE = [
     aten.trunc.default, aten.isnan.default, aten.isinf.default, aten.masked_fill.Scalar,
     aten.clone.default, aten._to_copy.default, prims.convert_element_type.default,
     aten.copy.default, aten.lerp.Scalar, aten.fill.Scalar,
+    aten.full_like.default,     # a constant: reads only its input's shape (groups.tensor_args)
 ]
 _VIEW = [
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
@@ -52,7 +53,8 @@ _VIEW = [
     aten.t.default, aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.alias.default,
     aten.as_strided.default, aten.detach.default,
 ]
-_REDUCTION = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default]
+_REDUCTION = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+              aten.any.dim]
 
 OP_KINDS: dict = {
     **{op: OpKind.POINTWISE for op in _POINTWISE},
@@ -112,7 +114,8 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
 
 
 def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:
-    """Only reductions over exactly the last dimension are generated; the rest stay on ATen."""
+    """Only reductions over exactly the last dimension are generated (of a float tensor; `any`
+    of a bool one); the rest stay on ATen."""
     src = node.args[0].meta["fc_tensor"]
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or src.ndim == 0:
@@ -122,6 +125,8 @@ def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:
         return False
     if node.kwargs.get("dtype") is not None:
         return False
+    if node.target == aten.any.dim:
+        return src.dtype == torch.bool     # any over a mask (safe softmax's fully-masked rows)
     return src.dtype.is_floating_point
 
 

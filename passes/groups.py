@@ -54,6 +54,8 @@ class GraphView:
         return self.kind.get(n) in TRANSPARENT
 
     def tensor_args(self, n):
+        if n.target is torch.ops.aten.full_like.default:
+            return []           # only its input's shape: a kernel reads no data for it
         return [a for a in n.all_input_nodes if "fc_tensor" in a.meta]
 
     def sources(self, n, through: set):

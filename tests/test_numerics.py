@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import assert_close, compile_and_run, kernel_count
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
 
 # fp8 e4m3fn edge cases: ties to even, carries into the next binade, subnormals, saturation
 # boundary (464 rounds to 448, anything above is NaN in torch), signed zero, NaN.
@@ -142,3 +142,53 @@ def test_division_by_a_one_element_tensor_matches_eager(value, device):
     out, reports = compile_and_run(fn, (x, s))
     assert kernel_count(reports) == 1
     assert_close(out, fn(x, s), name=f"x / {value}")
+
+
+# ----------------------------------------------------------- any over a mask, full_like constants
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_any_over_the_last_dim_is_a_row_reduction(device, keepdim):
+    """any(mask, -1): a reduction of the row kernel (the max of mask != 0); NaN counts as true."""
+    x = torch.randn(7, 41, device=device)
+    x[1] = 0.0
+    x[2, 5] = float("nan")
+    x[3] = -1.0
+    fn = lambda x: (torch.any(x > 0.5, dim=-1, keepdim=keepdim), torch.any(x != 0, -1, keepdim))  # noqa: E731
+    out, reports = compile_and_run(fn, (x,))
+    assert kernel_count(reports) == 1
+    for got, exp in zip(out, fn(x)):
+        assert got.dtype == torch.bool and torch.equal(got.cpu(), exp.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_like_is_a_constant_in_the_kernel(device, dtype):
+    x = torch.randn(9, 33, device=device).to(dtype)
+    fn = lambda x: (torch.where(x > 0, torch.full_like(x, 3.5), x),  # noqa: E731
+                    torch.full_like(x, 7, dtype=torch.int32) + x.to(torch.int32))
+    out, reports = compile_and_run(fn, (x,))
+    assert kernel_count(reports) == 1
+    assert not leftover_aten(reports)
+    for got, exp in zip(out, fn(x)):
+        assert_close(got, exp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safe_softmax_of_masked_math_attention_is_one_kernel(device, dtype):
+    """SDPA's math form (what torch 2.11 traces for Hugging Face's masked BERT on CUDA):
+    scores -> masked softmax -> where(row fully masked, 0, probabilities). The mask test
+    (`any`) and the zeros (`full_like`) join the softmax kernel; fully masked rows give 0."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(2, 3, 7, 16, device=device, dtype=dtype)
+    k = torch.randn(2, 3, 7, 16, device=device, dtype=dtype)
+    v = torch.randn(2, 3, 7, 16, device=device, dtype=dtype)
+    mask = torch.rand(2, 1, 7, 7, device=device) > 0.4
+    mask[0, 0, 3] = False                       # a fully masked row
+    fn = lambda q, k, v, m: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    with sdpa_kernel(SDPBackend.MATH):
+        out, reports = compile_and_run(fn, (q, k, v, mask))
+        expected = fn(q, k, v, mask)
+    ops = leftover_aten(reports)
+    assert not [op for op in ops if "any" in op or "full_like" in op or "softmax" in op], ops
+    labels = [k["label"] for r in reports for k in r.kernels]
+    assert labels.count("softmax") == 1, labels
+    assert_close(out, expected, dtype=dtype)
+    assert torch.equal(out[0, :, 3].float().cpu(), torch.zeros_like(out[0, :, 3]).float().cpu())
