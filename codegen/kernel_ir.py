@@ -137,6 +137,8 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
         if node.target is torch.ops.aten.full_like.default:
             # a constant of the output's shape and dtype (both in the IR value): only the value
             args, kwargs = args[1:2], {}
+        elif node.target is torch.ops.aten.scalar_tensor.default:
+            args, kwargs = args[:1], {}
         ops.append(IROp(str(node.target), encode(args),
                         tuple(sorted((k, encode(v)) for k, v in kwargs.items()))))
         ids[node] = len(values)

@@ -216,7 +216,8 @@ class Lowering:
             return self._as_strided(args, index, preds)
         if t == "aten.cat.default":
             return self._cat(vid, args, kw, index, preds)
-        if t == "aten.full_like.default":       # args: (value,); shape and dtype are the IR's
+        if t in ("aten.full_like.default", "aten.scalar_tensor.default"):
+            # constants: args (value,); shape and dtype are the IR value's
             return self._assign(f"tl.full([1], {self._as(args[0], out.dtype)}, "
                                 f"{ops.reg_dtype(out.dtype)})", out.dtype, self.kind != "row")
         return self._pointwise(vid, op, index, preds)

@@ -46,6 +46,7 @@ _POINTWISE = [
     aten.clone.default, aten._to_copy.default, prims.convert_element_type.default,
     aten.copy.default, aten.lerp.Scalar, aten.fill.Scalar,
     aten.full_like.default,     # a constant: reads only its input's shape (groups.tensor_args)
+    aten.scalar_tensor.default,     # a 0-dim constant (`where(c, x, -inf)` on CUDA)
 ]
 _VIEW = [
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,

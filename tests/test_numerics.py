@@ -192,3 +192,15 @@ def test_safe_softmax_of_masked_math_attention_is_one_kernel(device, dtype):
     assert labels.count("softmax") == 1, labels
     assert_close(out, expected, dtype=dtype)
     assert torch.equal(out[0, :, 3].float().cpu(), torch.zeros_like(out[0, :, 3]).float().cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scalar_tensor_is_a_constant_in_the_kernel(device, dtype):
+    """`scalar_tensor` (what a Python scalar in `where` becomes on CUDA) joins its consumer."""
+    x = torch.randn(9, 33, device=device).to(dtype)
+    fn = lambda x: torch.where(x > 0, x, torch.scalar_tensor(-3.25, dtype=dtype, device=x.device))  # noqa: E731
+    out, reports = compile_and_run(fn, (x,))
+    assert kernel_count(reports) == 1
+    assert not leftover_aten(reports)
+    assert "aten.scalar_tensor.default" in reports[0].kernels[0]["ops"]
+    assert_close(out, fn(x))
