@@ -30,7 +30,9 @@ draw programs that hit them, and ``check_program`` assume()s those away (``KNOWN
 
 Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); with CI set the run is
 derandomized. ``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
-FUSION_FUZZ_EXAMPLES or 2000 examples.
+FUSION_FUZZ_EXAMPLES or 2000 examples. ``test_fuzz_masked_rows`` draws masked safe softmaxes
+(``scalar_tensor`` fill, ``any`` over the mask, ``full_like`` zeros: SDPA's math form) over
+random rows, lengths, dtypes and fully masked rows; FUSION_FUZZ_EXAMPLES or 25.
 """
 from __future__ import annotations
 
@@ -821,6 +823,48 @@ def test_fuzz_programs_slow(pytestconfig):
                                                       or "not slow" in markexpr):
         pytest.skip("slow fuzzing: run with -m slow or FUSION_FUZZ_SLOW=1")
     given(programs())(_fuzz_settings(_examples(2000))(check_program))()
+
+
+# ------------------------------------------------- masked rows: any, full_like, scalar_tensor
+@st.composite
+def masked_rows_cases(draw):
+    """A masked, safe softmax as SDPA's math form writes it, over random row counts and lengths
+    (looped rows included), dtypes and masks with fully masked rows."""
+    rows = draw(st.sampled_from((1, 3, 7, 64)))
+    n = draw(st.sampled_from((1, 5, 41, 333, 2500)))
+    dtype = draw(st.sampled_from(DTYPES))
+    keep = draw(st.floats(0.0, 1.0))
+    empty_rows = draw(st.integers(0, rows))
+    max_block = draw(st.sampled_from((DEFAULT_MAX_BLOCK, 256)))
+    return rows, n, dtype, keep, empty_rows, max_block, draw(st.integers(0, 2**16))
+
+
+def masked_softmax(x, mask, fill):
+    scores = torch.where(mask, x, torch.scalar_tensor(fill, dtype=x.dtype, device=x.device))
+    p = torch.softmax(scores.float(), -1)
+    dead = torch.logical_not(torch.any(mask, -1, keepdim=True))
+    return torch.where(dead, torch.full_like(p, 0.0), p).to(x.dtype), dead
+
+
+def test_fuzz_masked_rows():
+    @given(masked_rows_cases())
+    @_fuzz_settings(_examples(25))
+    def check(case):
+        rows, n, dtype, keep, empty_rows, max_block, seed = case
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(rows, n, generator=g) * 3).to(dtype).to(DEVICE)
+        mask = (torch.rand(rows, n, generator=g) < keep).to(DEVICE)
+        mask[:empty_rows] = False
+        fill = float("-inf") if seed % 2 else -1e4
+        with _max_block(max_block):
+            out, reports = compile_and_run(lambda x, m: masked_softmax(x, m, fill), (x, mask))
+        assert kernel_count(reports) == 1, [k["ops"] for r in reports for k in r.kernels]
+        assert not leftover_aten(reports)
+        exp = masked_softmax(x, mask, fill)
+        assert torch.equal(out[1].cpu(), exp[1].cpu())
+        assert_close(out[0], exp[0], dtype=dtype)
+        assert not out[0][:empty_rows].float().any()
+    check()
 
 
 # ---------------------------------------------------------------------- regressions
