@@ -57,26 +57,25 @@ def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, f
     return one, max(three - one, 0.0) / 2
 
 
-def kernel_latency(device: str = "cuda", launches: int = 200) -> float:
+def kernel_latency(device: str = "cuda", launches: int = 500) -> float:
     """GPU seconds per tiny kernel when the host is not the limit: the launches are queued
-    behind a GPU sleep long enough for the host to enqueue them all, so the time after the
-    sleep is the GPU's alone."""
+    behind a GPU sleep long enough for the host to enqueue them all, and timed from an event
+    recorded after the sleep, so the time is the GPU's alone."""
     launch, x = _tiny_launcher(lambda x: x + 1, device)
-    cycles = 200_000_000        # ~0.1 s at ~2 GHz: far longer than enqueueing the launches
+    cycles = 100_000_000        # ~50 ms at ~2 GHz: far longer than enqueueing the launches
 
-    def timed(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    def timed():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)
-        for _ in range(n):
+        start.record()                  # runs when the sleep ends, before the queued launches
+        for _ in range(launches):
             launch(x)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e-3
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3 / launches
 
-    timed(launches)                                   # warm-up
-    per = [(timed(launches) - timed(0)) / launches for _ in range(3)]
-    return max(sorted(per)[1], 0.0)
+    timed()                                           # warm-up
+    return sorted(timed() for _ in range(3))[1]
 
 
 def _launch_seconds(fn, device: str, launches: int) -> float:
