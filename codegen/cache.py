@@ -21,6 +21,9 @@ from pathlib import Path
 
 import triton
 
+from . import triton_lib
+from .triton_lib import interpreting
+
 log = logging.getLogger("fusion_compiler")
 
 CODEGEN_VERSION = "1"
@@ -124,8 +127,6 @@ class KernelCache:
     def _import(self, path: Path, key: str, source: str, interpret: bool):
         """Module from the checked source; compiled here, so no stale bytecode is ever used.
         (Triton reads the kernel's source back through ``path``.)"""
-        from . import triton_lib
-
         name = f"fusion_kernel_{key}" + ("_interpreted" if interpret else "")
         try:
             module = types.ModuleType(name)
@@ -140,10 +141,6 @@ class KernelCache:
             log.warning("fusion-compiler: kernel cache entry %s fails to import (%s); rebuilding",
                         path, exc)
             return None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _write_entry(path: Path, source: str, meta: dict) -> Path:

@@ -21,6 +21,11 @@ import torch
 from ..passes.shapes import TensorInfo
 
 
+# Constant-producing ops: their one meaningful argument is the value at this position; a
+# tensor argument (full_like's) only gives the shape and dtype, which the IR value records.
+CONSTANT_VALUE_ARG = {torch.ops.aten.full_like.default: 1, torch.ops.aten.scalar_tensor.default: 0}
+
+
 class NotFusable(Exception):
     """The group cannot be one generated kernel; the message says why."""
 
@@ -134,11 +139,9 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
     for node in nodes:
         info: TensorInfo = node.meta["fc_tensor"]
         args, kwargs = tuple(node.args), node.kwargs
-        if node.target is torch.ops.aten.full_like.default:
-            # a constant of the output's shape and dtype (both in the IR value): only the value
-            args, kwargs = args[1:2], {}
-        elif node.target is torch.ops.aten.scalar_tensor.default:
-            args, kwargs = args[:1], {}
+        if node.target in CONSTANT_VALUE_ARG:       # only the value: shape and dtype are info's
+            at = CONSTANT_VALUE_ARG[node.target]
+            args, kwargs = args[at:at + 1], {}
         ops.append(IROp(str(node.target), encode(args),
                         tuple(sorted((k, encode(v)) for k, v in kwargs.items()))))
         ids[node] = len(values)

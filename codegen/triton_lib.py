@@ -10,7 +10,13 @@ import types
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, read now)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+INTERPRET = interpreting()      # the mode this module's jit functions were made for
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from . import cudagraphs, measure
-from .codegen.cache import interpreting
+from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
 from .passes import fast_calls

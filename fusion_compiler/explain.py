@@ -33,9 +33,9 @@ def explain(model, *inputs, dynamic=False, training=False, profile=None, code=Fa
             measure=False):
     """Summaries (dicts) of every graph compiled for ``model(*inputs)``. Every kernel source is
     generated (``code`` is kept for callers; the sources are always in the kernel cache). With
-    ``measure``
-    (a GPU, or Triton's interpreter) each summary also has ``measured``: every fused kernel
-    and the ATen ops it replaced, timed, beside the cost model's predictions (measure.py)."""
+    ``measure`` (a GPU, or Triton's interpreter) each summary also has ``measured``: every fused
+    kernel and the ATen ops it replaced, timed, beside the cost model's predictions
+    (measure.py)."""
     from . import measure as measure_mod
     from .backend import interpreting
 

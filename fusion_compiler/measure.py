@@ -112,29 +112,35 @@ def steady_seconds(fn, copies: int, device_type: str, batches=7, budget_s=0.3) -
     The host clock off the GPU."""
     for i in range(copies):                                    # warm-up (and compile)
         fn(i)
-    per_call = []
-    if device_type == "cuda":
-        flush = torch.empty(2 * L2_BYTES // 4, dtype=torch.int32, device="cuda")
-        start_all = time.perf_counter()
-        while len(per_call) < batches or (time.perf_counter() - start_all < budget_s
-                                          and len(per_call) < 100):
-            flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for i in range(copies):
-                fn(i)
-            b.record()
-            b.synchronize()
-            per_call.append(a.elapsed_time(b) * 1e-3 / copies)
-    else:
-        start_all = time.perf_counter()
-        while len(per_call) < batches or (time.perf_counter() - start_all < budget_s
-                                          and len(per_call) < 100):
-            t0 = time.perf_counter()
-            for i in range(copies):
-                fn(i)
-            per_call.append((time.perf_counter() - t0) / copies)
+    batch = _cuda_batch() if device_type == "cuda" else _host_batch
+    per_call, start_all = [], time.perf_counter()
+    while len(per_call) < batches or (time.perf_counter() - start_all < budget_s
+                                      and len(per_call) < 100):
+        per_call.append(batch(fn, copies) / copies)
     return statistics.median(per_call)
+
+
+def _host_batch(fn, copies: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(copies):
+        fn(i)
+    return time.perf_counter() - t0
+
+
+def _cuda_batch():
+    """A batch timer on the GPU: flush L2, then CUDA events around the calls."""
+    flush = torch.empty(2 * L2_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def batch(fn, copies: int) -> float:
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(copies):
+            fn(i)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+    return batch
 
 
 class _Values(torch.fx.Interpreter):

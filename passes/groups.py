@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..codegen.kernel_ir import CONSTANT_VALUE_ARG
 from .classify import OpKind
 from .cost_model import kernel_cost
 from .shapes import hint
@@ -54,8 +55,8 @@ class GraphView:
         return self.kind.get(n) in TRANSPARENT
 
     def tensor_args(self, n):
-        if n.target is torch.ops.aten.full_like.default:
-            return []           # only its input's shape: a kernel reads no data for it
+        if n.target in CONSTANT_VALUE_ARG:
+            return []           # a constant (full_like reads only its input's shape)
         return [a for a in n.all_input_nodes if "fc_tensor" in a.meta]
 
     def sources(self, n, through: set):
