@@ -303,7 +303,8 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
             if not v.dtype.is_floating_point and v.dtype != torch.bool:
                 spec += [f"s{i} & 15", f"s{i} == 1"]
         else:
-            spec.append(f"in{i}.data_ptr() & 15")
+            lines.append(f"    p{i} = in{i}.data_ptr()")
+            spec.append(f"p{i} & 15")
     outs = []       # fresh allocations: always 16-byte aligned, no key part needed
     fast, slow = [], []
     for p, o in enumerate(ir.outputs):
@@ -326,6 +327,11 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     index64 = ("True" if static64 else
                " or ".join(f"{e} > {INDEX_LIMIT}" for e in dynamic) or "False")
     ptrs = ins + outs
+    # the direct launch passes addresses, not tensors: for a tensor Triton's C launcher calls
+    # data_ptr() and asks the driver whether it is a device pointer (cuPointerGetAttribute),
+    # about a microsecond per argument on the H200's host; Dynamo's device guards and the
+    # allocations above already make every address a device one
+    addrs = [a if a.startswith("s") else "p" + a[2:] for a in ins] + [f"{o}.data_ptr()" for o in outs]
 
     def launch(name, grid, runtime, constexprs, settings, ind):
         """Lines launching ``name``: through Triton once per key, then directly."""
@@ -334,7 +340,7 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
         ints = [a for a in runtime if a != "R" and a not in static]
         key = ", ".join(["dev", *settings, "index64", *spec]
                         + [f"{a} & 15, {a} == 1" for a in ints])
-        pos = ", ".join(ptrs + runtime + constexprs)
+        pos = ", ".join(addrs + runtime + constexprs)
         kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs[:-1]]
                        + ["INDEX64=index64", "num_warps=num_warps"])
         pad = " " * ind

@@ -3,8 +3,8 @@
     copy bandwidth    a 1 GiB device-to-device copy (bytes read + written) / time
     launch overhead   time per launch of a one-element generated kernel (``x + 1``), launched back
                       to back through the backend's own launcher (host and device cost, as
-                      ``dump --measure`` times kernels); and per further output, from the same
-                      with three outputs
+                      ``dump --measure`` times kernels); per further output, from the same
+                      with three outputs; per further input, from a sum of nine inputs
     kernel latency    GPU time per such kernel with the host out of the way (queued behind a
                       GPU sleep)
     peak FLOP/s       an 8192^3 bf16 matmul (the fp32 vector rate is taken as 1/16 of it)
@@ -39,29 +39,31 @@ def measure(device: str = "cuda") -> DeviceProfile:
     spin_up()
     bandwidth = _copy_bandwidth(device, do_bench)
 
-    launch, per_output = launch_overhead(device)
+    launch, per_output, per_input = launch_overhead(device)
     latency = kernel_latency(device)
 
     m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     ms = do_bench(lambda: m @ m, warmup=25, rep=100, return_mode="median")
     mm_flops = 2 * 8192 ** 3 / (ms * 1e-3)
     return DeviceProfile(torch.cuda.get_device_name(), bandwidth, launch, mm_flops / 16,
-                         per_output, latency)
+                         per_output, latency, per_input)
 
 
-def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, float]:
-    """(seconds per launch, seconds per further output): tiny generated kernels with one and
-    with three outputs, each launched back to back through its launcher."""
+def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, float, float]:
+    """(seconds per launch, per further output, per further input): tiny generated kernels with
+    one input and one output, three outputs, nine inputs, each launched back to back through
+    its launcher."""
     one = _launch_seconds(lambda x: x + 1, device, launches)
     three = _launch_seconds(lambda x: (x + 1, x * 3, x - 2), device, launches)
-    return one, max(three - one, 0.0) / 2
+    nine = _launch_seconds(lambda *xs: sum(xs[1:], xs[0]), device, launches, inputs=9)
+    return one, max(three - one, 0.0) / 2, max(nine - one, 0.0) / 8
 
 
 def kernel_latency(device: str = "cuda", launches: int = 500) -> float:
     """GPU seconds per tiny kernel when the host is not the limit: the launches are queued
     behind a GPU sleep long enough for the host to enqueue them all, and timed from an event
     recorded after the sleep, so the time is the GPU's alone."""
-    launch, x = _tiny_launcher(lambda x: x + 1, device)
+    launch, (x,) = _tiny_launcher(lambda x: x + 1, device)
     cycles = 100_000_000        # ~50 ms at ~2 GHz: far longer than enqueueing the launches
 
     def timed():
@@ -78,27 +80,27 @@ def kernel_latency(device: str = "cuda", launches: int = 500) -> float:
     return sorted(timed() for _ in range(3))[1]
 
 
-def _launch_seconds(fn, device: str, launches: int) -> float:
+def _launch_seconds(fn, device: str, launches: int, inputs: int = 1) -> float:
     from .measure import steady_seconds
 
-    launch, x = _tiny_launcher(fn, device)
-    return steady_seconds(lambda i: launch(x), launches, torch.device(device).type)
+    launch, xs = _tiny_launcher(fn, device, inputs)
+    return steady_seconds(lambda i: launch(*xs), launches, torch.device(device).type)
 
 
-def _tiny_launcher(fn, device: str):
-    """(launcher, input) of ``fn`` compiled for a one-element tensor: it must be one kernel."""
+def _tiny_launcher(fn, device: str, inputs: int = 1):
+    """(launcher, inputs) of ``fn`` compiled for one-element tensors: it must be one kernel."""
     from .measure import recording
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="fusion", dynamic=False)
-    x = torch.randn(1, device=device)
+    xs = tuple(torch.randn(1, device=device) for _ in range(inputs))
     with recording() as rec, torch.no_grad():
-        compiled(x)
+        compiled(*xs)
     torch._dynamo.reset()
     launchers = [launch for t in rec.targets for launch in t.launchers.values()]
     if len(launchers) != 1:
         raise RuntimeError(f"calibrate: expected one generated kernel, got {len(launchers)}")
-    return launchers[0], x
+    return launchers[0], xs
 
 
 def _copy_bandwidth(device, do_bench) -> float:

@@ -79,6 +79,18 @@ def test_flops_and_further_outputs_by_hand():
     assert abs(cost.time - (H200.kernel_latency + 12000 / 1e9)) < 1e-15
 
 
+def test_each_further_input_costs_host_time():
+    """host = launch + per_input * (inputs - 1): a sum of five tensors, launch-bound."""
+    from fusion_compiler.passes.cost_model import kernel_cost
+    xs = [torch.randn(100) for _ in range(5)]
+    ctx = analyze(lambda a, b, c, d, e: a + b + c + d + e, *xs)
+    (g,) = ctx.groups
+    assert len(g.inputs) == 5
+    per_input = dataclasses.replace(H200, launch_per_input=0.5e-6, launch_per_output=0.0)
+    cost = kernel_cost(g.inputs, g.outputs, 1, set(), ctx.size_hints, per_input, g.members)
+    assert abs(cost.time - (H200.launch_overhead + 4 * 0.5e-6)) < 1e-15
+
+
 def test_bytes_of_add_rmsnorm_count_the_broadcast_weight_at_its_own_size():
     from patterns import add_rmsnorm
     x, r, w = torch.randn(7, 41), torch.randn(7, 41), torch.randn(41)
@@ -110,7 +122,7 @@ def test_unprofitable_merge_is_refused_for_that_reason():
 
 
 def test_higher_score_merge_is_taken_first():
-    big, small = torch.randn(2048, 1024), torch.randn(64)
+    big, small = torch.randn(4096, 4096), torch.randn(64)
     ctx = analyze(lambda x, y: ((x + 1.0) * 2.0, (y + 1.0) * 2.0), big, small)
     taken = [d for d in ctx.decisions if d["taken"]]
     assert len(taken) == 2
