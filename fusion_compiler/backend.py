@@ -9,6 +9,7 @@ the log) unless Triton's interpreter is on (TRITON_INTERPRET=1), which the tests
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from . import cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
-from .passes import fast_calls
+from .passes import fast_calls, sdpa_mask
 from .report import GraphReport, aten_compute_ops, publish
 from .summary import summarize
 
@@ -74,6 +75,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     runs on ATen unfused, with a warning (or the error is raised with FUSION_COMPILER_STRICT=1),
     and the report says what happened."""
     global _said_cpu
+    started = time.perf_counter()
     ctx = make_context(config, kind)
     report = GraphReport(kind=kind, ran_kernels=False, nodes_before=len(gm.graph.nodes))
     runs_kernels = "cuda" in _devices(gm) or ctx.run_on_cpu
@@ -91,6 +93,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
                     type(exc).__name__, exc)
         report.error = f"{type(exc).__name__}: {exc}"
         report.aten_ops = aten_compute_ops(gm)
+        report.compile_seconds = time.perf_counter() - started
         publish(report)
         return gm
     report.ran_kernels = runs_kernels
@@ -113,6 +116,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
         target.report = report
         new_gm._fc_measure = target
     fast_calls.run(new_gm)      # last: the report has named the ATen ops it keeps
+    report.compile_seconds = time.perf_counter() - started      # the report object is shared
     return new_gm
 
 
@@ -135,6 +139,9 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         raise ConfigError(f"the fusion backend takes mode= and options=, not {', '.join(kwargs)}")
     if config.disable:
         return gm.forward
+    if sdpa_mask.run(gm):
+        log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
+                 "pick its fused CUDA kernels (passes/sdpa_mask.py)")
 
     def compiler(kind):
         def compile_fn(aten_gm, _example_inputs):
