@@ -1,0 +1,116 @@
+"""Pad GEMMs whose leading dimensions break cuBLAS's 16-byte alignment (ATen graph, first pass).
+
+cuBLAS's tensor-core kernels need every matrix's row stride at a multiple of 16 bytes. GPT-2's
+LM head, ``[4096, 768] @ [768, 50257]`` in bf16, writes rows of 50257 elements: cuBLAS falls back
+to an sm75-era kernel at 94 TFLOP/s, 3356 us, where the same GEMM with 50264 columns takes
+508 us (H200, `scratch` probe of 2026-11-30; Inductor's pad_mm exists for the same reason).
+Padding with zeros changes no value of the result:
+
+    mm(a[M, K], b[K, N])   ->   c = mm(pad(a)[M, K'], pad(b)[K', N'])[:, :N].clone()
+
+K' and N' are K and N rounded up to 16 bytes; the K padding multiplies zeros by zeros. The clone
+gives the result the layout the traced graph promised its users (contiguous [M, N]), so no
+later pass or user sees a changed stride. A transposed weight (``t(w)``, a Linear's) is padded
+before its transpose, a contiguous copy of w. ``addmm``'s bias is padded with zeros too.
+
+The padding costs copies: a, b and the result, read and written. It is done when the cost model
+says the faster GEMM pays for them: an unaligned GEMM runs at least 2.5x slower (2.6x for
+N = 30522, 6.6x for N = 50257 on the H200), so padding pays when 1.5x the aligned GEMM's time
+exceeds the copies' time and launches.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+aten = torch.ops.aten
+log = logging.getLogger("fusion_compiler")
+
+ALIGN_BYTES = 16
+UNALIGNED_SLOWDOWN = 2.5        # the least measured slowdown of an unaligned GEMM (see above)
+MATMUL_TO_VECTOR = 16           # calibrate's fp32 vector peak is the bf16 matmul rate / 16
+PADDED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _val(node):
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _static(value) -> bool:
+    return all(isinstance(s, int) for s in value.shape)
+
+
+def _emit(gm, op, args, mode):
+    node = gm.graph.call_function(op, args)
+    values = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    with mode:
+        node.meta["val"] = op(*values)
+    return node
+
+
+def _pad(gm, node, pads, mode):
+    """``node`` padded with zeros: ``pads`` as constant_pad_nd takes them (last dim first). A 2-D
+    transpose of a contiguous tensor is padded before the transpose."""
+    src = node.args[0] if node.op == "call_function" and node.target in (
+        aten.t.default, aten.permute.default) else None
+    if src is not None and _val(src) is not None and _val(src).dim() == 2 \
+            and _val(src).is_contiguous() and (node.target == aten.t.default
+                                                or list(node.args[1]) == [1, 0]):
+        swapped = [pads[2], pads[3], pads[0], pads[1]]
+        return _emit(gm, aten.t.default, (_emit(gm, aten.constant_pad_nd.default,
+                                                (src, swapped), mode),), mode)
+    return _emit(gm, aten.constant_pad_nd.default, (node, pads), mode)
+
+
+def worth_padding(m, k, n, pad_k, pad_n, itemsize, profile) -> bool:
+    """Whether the copies of padding cost less than the time an aligned GEMM saves."""
+    gemm = 2 * m * n * k / (profile.peak_flops * MATMUL_TO_VECTOR)
+    copied = (m * k * bool(pad_k) + k * n + m * n) * itemsize * 2     # read + written
+    copies = copied / profile.hbm_bandwidth + 3 * profile.launch_overhead
+    return (UNALIGNED_SLOWDOWN - 1) * gemm > copies
+
+
+def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
+    """Pad the GEMMs on ``devices`` worth it; how many were padded."""
+    padded = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        bias, a, b = (None, *node.args) if node.target == aten.mm.default else node.args[:3]
+        out, va, vb = _val(node), _val(a), _val(b)
+        if out is None or va is None or vb is None or out.device.type not in devices \
+                or out.dtype not in PADDED_DTYPES or not (_static(va) and _static(vb)) \
+                or node.kwargs:                          # addmm's beta/alpha: left alone
+            continue
+        (m, k), n = va.shape, vb.shape[1]
+        if bias is not None and (_val(bias) is None or _val(bias).shape[-1] != n):
+            continue                                     # a bias broadcast along columns
+        align = ALIGN_BYTES // out.element_size()
+        pad_k, pad_n = -k % align, -n % align
+        if not (pad_k or pad_n) or not worth_padding(m, k, n, pad_k, pad_n,
+                                                     out.element_size(), ctx.profile):
+            continue
+        mode = out.fake_mode
+        with gm.graph.inserting_before(node):
+            pa = _pad(gm, a, [0, pad_k], mode) if pad_k else a
+            pb = _pad(gm, b, [0, pad_n, 0, pad_k], mode)
+            if bias is None:
+                wide = _emit(gm, aten.mm.default, (pa, pb), mode)
+            else:
+                pbias = _emit(gm, aten.constant_pad_nd.default, (bias, [0, pad_n]), mode)
+                wide = _emit(gm, aten.addmm.default, (pbias, pa, pb), mode)
+            cut = _emit(gm, aten.slice.Tensor, (wide, 1, 0, n), mode)
+            result = _emit(gm, aten.clone.default, (cut,), mode)
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        for old in (a, b):          # a transpose the padded copy bypasses
+            if isinstance(old, torch.fx.Node) and not old.users and old.op == "call_function":
+                gm.graph.erase_node(old)
+        padded += 1
+        log.info("fusion-compiler: padded GEMM [%d, %d] @ [%d, %d] to [%d, %d] @ [%d, %d] "
+                 "(16-byte aligned rows for cuBLAS)", m, k, k, n, m, k + pad_k, k + pad_k, n + pad_n)
+    if padded:
+        gm.recompile()
+    return padded
