@@ -25,6 +25,7 @@ class GraphReport:
     summary: dict = field(default_factory=dict)   # fusion_compiler.summary.summarize
     error: str = ""                                # the compiler failed: the graph ran on ATen
     measured: list = None                          # rows of measure.measure_graph, if asked
+    compile_seconds: float = 0.0                   # time in the backend's passes for this graph
 
     @property
     def num_kernels(self) -> int:

@@ -30,7 +30,8 @@ draw programs that hit them, and ``check_program`` assume()s those away (``KNOWN
 
 Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); with CI set the run is
 derandomized. ``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
-FUSION_FUZZ_EXAMPLES or 2000 examples. ``test_fuzz_masked_rows`` draws masked safe softmaxes
+FUSION_FUZZ_EXAMPLES or 2000 examples. With FUSION_FUZZ_LOG=path each program that passed
+appends a line there (counts of runs cut short, e.g. many processes under a time limit). ``test_fuzz_masked_rows`` draws masked safe softmaxes
 (``scalar_tensor`` fill, ``any`` over the mask, ``full_like`` zeros: SDPA's math form) over
 random rows, lengths, dtypes and fully masked rows; FUSION_FUZZ_EXAMPLES or 25.
 """
@@ -652,24 +653,24 @@ def loop_scope_errors(source: str) -> list:
             continue
 
         def visit(stmts, defined, loop_only):
-            for st in stmts:
-                if isinstance(st, ast.For):
-                    inner = set(defined) | {n.id for n in ast.walk(st.target)
+            for stmt in stmts:
+                if isinstance(stmt, ast.For):
+                    inner = set(defined) | {n.id for n in ast.walk(stmt.target)
                                             if isinstance(n, ast.Name)}
                     assigned = set()
-                    visit(st.body, inner, assigned)
+                    visit(stmt.body, inner, assigned)
                     loop_only |= {n for n in inner | assigned if n not in defined}
                     continue
-                if isinstance(st, ast.If):
-                    visit(st.body, defined, loop_only)
-                    visit(st.orelse, defined, loop_only)
+                if isinstance(stmt, ast.If):
+                    visit(stmt.body, defined, loop_only)
+                    visit(stmt.orelse, defined, loop_only)
                     continue
-                for n in ast.walk(st):
+                for n in ast.walk(stmt):
                     if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
                             and n.id in loop_only and n.id not in defined):
-                        errors.append(f"{fn.name}, line {st.lineno}: {n.id} is assigned only "
+                        errors.append(f"{fn.name}, line {stmt.lineno}: {n.id} is assigned only "
                                       f"inside a loop above")
-                defined |= {n.id for n in ast.walk(st)
+                defined |= {n.id for n in ast.walk(stmt)
                             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
         visit(fn.body, {a.arg for a in fn.args.args}, set())
@@ -800,6 +801,9 @@ def check_program(prog: Program):
     bounds = error_bound(prog, vals)
     with _max_block(prog.max_block):
         check_program_fn(fn, args, prog, bounds)
+    if os.environ.get("FUSION_FUZZ_LOG"):        # a line per program that passed: counts at scale
+        with open(os.environ["FUSION_FUZZ_LOG"], "a") as log:
+            log.write("ok\n")
 
 
 def _fuzz_settings(n: int):

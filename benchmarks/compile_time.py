@@ -1,0 +1,86 @@
+"""Compile time of a model's first call, each run in a fresh process: cold caches, then warm.
+
+    python benchmarks/compile_time.py examples/llama.py:bench_4x1024 examples/gpt2.py:bench_8x512
+
+For each target, in this order, each in its own Python process (so nothing is cached in memory):
+  aot_eager          Dynamo + aot_autograd, no compiler: what every backend pays before its own work
+  inductor cold      torch.compile's default, empty Inductor and Triton caches
+  inductor warm      the same caches, a second process
+  fusion cold        empty kernel, decision and Triton caches
+  fusion warm        the same caches, a second process
+Each row is the first call's wall time (inputs built and the GPU synchronized before the clock
+starts). ``backend s`` is that time minus aot_eager's: the compiler's own share, Triton's
+compilation or loading of its kernels included. ``passes s`` (fusion) is the time spent in the
+backend's passes, from the compile reports. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r'''
+import json, sys, time, torch
+from fusion_compiler.cli import load_factory
+import fusion_compiler
+target, backend = sys.argv[1], sys.argv[2]
+model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+with fusion_compiler.capture_compiles() as reports, torch.no_grad():
+    t0 = time.perf_counter()
+    torch.compile(model, backend=backend)(*inputs)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in reports)}))
+'''
+
+
+def first_call(target: str, backend: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, target, backend], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{target} with {backend} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(target: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        def env(name):
+            e = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/{name}/triton",
+                     TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{name}/inductor",
+                     FUSION_COMPILER_CACHE_DIR=f"{tmp}/{name}/fusion")
+            return e
+        base = first_call(target, "aot_eager", env("aot"))["seconds"]
+        rows.append({"target": target, "run": "aot_eager", "seconds": base})
+        for backend in ("inductor", "fusion"):
+            for run in ("cold", "warm"):
+                r = first_call(target, backend, env(backend))
+                rows.append({"target": target, "run": f"{backend} {run}", "seconds": r["seconds"],
+                             "backend_seconds": r["seconds"] - base,
+                             "passes_seconds": r["passes"] if backend == "fusion" else None})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="+")
+    parser.add_argument("-o", "--output", help="also write the rows as JSON")
+    args = parser.parse_args()
+    rows = [row for t in args.targets for row in measure(t)]
+    print(f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} {'passes s':>9s}")
+    for r in rows:
+        backend = f"{r['backend_seconds']:.2f}" if "backend_seconds" in r else "-"
+        passes = f"{r['passes_seconds']:.2f}" if r.get("passes_seconds") is not None else "-"
+        print(f"{r['target']:34s} {r['run']:15s} {r['seconds']:12.2f} {backend:>10s} {passes:>9s}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
