@@ -45,8 +45,9 @@ def measure(device: str = "cuda") -> DeviceProfile:
     m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     ms = do_bench(lambda: m @ m, warmup=25, rep=100, return_mode="median")
     mm_flops = 2 * 8192 ** 3 / (ms * 1e-3)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
     return DeviceProfile(torch.cuda.get_device_name(), bandwidth, launch, mm_flops / 16,
-                         per_output, latency, per_input)
+                         per_output, latency, per_input, l2)
 
 
 def launch_overhead(device: str = "cuda", launches: int = 500) -> tuple[float, float, float]:

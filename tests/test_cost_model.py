@@ -102,12 +102,24 @@ def test_bytes_of_add_rmsnorm_count_the_broadcast_weight_at_its_own_size():
 
 
 def test_looped_reduction_counts_each_pass_over_the_row():
+    from fusion_compiler.passes.cost_model import kernel_cost
     x = torch.randn(8, 4096)
     ctx = analyze(lambda t: torch.softmax(t, -1), x, max_persistent_block=1024)
     (g,) = ctx.groups
-    # max pass, sum pass, output pass: the row is read three times
-    assert g.cost.bytes_read == 3 * 8 * 4096 * 4
-    assert g.cost.bytes_written == 8 * 4096 * 4
+    rows = {n for n in g.inputs}
+    # max pass, sum pass, output pass: the row is read three times from HBM without an L2 ...
+    no_l2 = dataclasses.replace(H200, l2_bytes=0)
+    cost = kernel_cost(g.inputs, g.outputs, 3, rows, ctx.size_hints, no_l2, g.members)
+    assert cost.bytes_read == 3 * 8 * 4096 * 4
+    assert cost.bytes_written == 8 * 4096 * 4
+    # ... and once when the 128 KB re-read fits in half of it (the later passes hit L2)
+    assert g.cost.bytes_read == 8 * 4096 * 4
+    half = dataclasses.replace(H200, l2_bytes=2 * 8 * 4096 * 4)
+    assert kernel_cost(g.inputs, g.outputs, 3, rows, ctx.size_hints, half,
+                       g.members).bytes_read == 8 * 4096 * 4
+    short = dataclasses.replace(H200, l2_bytes=2 * 8 * 4096 * 4 - 1)
+    assert kernel_cost(g.inputs, g.outputs, 3, rows, ctx.size_hints, short,
+                       g.members).bytes_read == 3 * 8 * 4096 * 4
 
 
 def test_unprofitable_merge_is_refused_for_that_reason():
