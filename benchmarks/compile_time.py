@@ -46,7 +46,18 @@ def first_call(target: str, backend: str, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+HEADER = f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} {'passes s':>9s}"
+
+
+def show(r: dict) -> None:
+    backend = f"{r['backend_seconds']:.2f}" if "backend_seconds" in r else "-"
+    passes = f"{r['passes_seconds']:.2f}" if r.get("passes_seconds") is not None else "-"
+    print(f"{r['target']:34s} {r['run']:15s} {r['seconds']:12.2f} {backend:>10s} {passes:>9s}",
+          flush=True)
+
+
 def measure(target: str) -> list[dict]:
+    """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         def env(name):
@@ -56,12 +67,14 @@ def measure(target: str) -> list[dict]:
             return e
         base = first_call(target, "aot_eager", env("aot"))["seconds"]
         rows.append({"target": target, "run": "aot_eager", "seconds": base})
+        show(rows[-1])
         for backend in ("inductor", "fusion"):
             for run in ("cold", "warm"):
                 r = first_call(target, backend, env(backend))
                 rows.append({"target": target, "run": f"{backend} {run}", "seconds": r["seconds"],
                              "backend_seconds": r["seconds"] - base,
                              "passes_seconds": r["passes"] if backend == "fusion" else None})
+                show(rows[-1])
     return rows
 
 
@@ -70,12 +83,8 @@ def main() -> int:
     parser.add_argument("targets", nargs="+")
     parser.add_argument("-o", "--output", help="also write the rows as JSON")
     args = parser.parse_args()
+    print(HEADER, flush=True)
     rows = [row for t in args.targets for row in measure(t)]
-    print(f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} {'passes s':>9s}")
-    for r in rows:
-        backend = f"{r['backend_seconds']:.2f}" if "backend_seconds" in r else "-"
-        passes = f"{r['passes_seconds']:.2f}" if r.get("passes_seconds") is not None else "-"
-        print(f"{r['target']:34s} {r['run']:15s} {r['seconds']:12.2f} {backend:>10s} {passes:>9s}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

@@ -3,7 +3,7 @@
 cuBLAS's tensor-core kernels need every matrix's row stride at a multiple of 16 bytes. GPT-2's
 LM head, ``[4096, 768] @ [768, 50257]`` in bf16, writes rows of 50257 elements: cuBLAS falls back
 to an sm75-era kernel at 94 TFLOP/s, 3356 us, where the same GEMM with 50264 columns takes
-508 us (H200, `scratch` probe of 2026-11-30; Inductor's pad_mm exists for the same reason).
+508 us (H200, 2026-11-30, BENCHMARKS.md; Inductor's pad_mm exists for the same reason).
 Padding with zeros changes no value of the result:
 
     mm(a[M, K], b[K, N])   ->   c = mm(pad(a)[M, K'], pad(b)[K', N'])[:, :N].clone()
