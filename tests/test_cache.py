@@ -587,3 +587,77 @@ def test_decision_cache_key_follows_the_config(cache_dir, device, monkeypatch):
     assert len(list((cache_dir / "graphs").rglob("*.pkl"))) == 2
     assert all(len(g["ops"]) <= 3 for g in reports[0].summary["groups"])
     assert_close(out[0], model(x, w)[0])
+
+
+# ------------------------------------------------------------------------------ a full disk
+def _full_disk(monkeypatch, full_roots):
+    """Files written under any of ``full_roots`` fail as on a full disk: half the data lands,
+    then ENOSPC (what a write into a full file system does)."""
+    import errno
+    real_fdopen = os.fdopen
+
+    class HalfWriter:
+        def __init__(self, f, path):
+            self.f, self.path = f, path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+
+    def fdopen(fd, *args, **kwargs):
+        f = real_fdopen(fd, *args, **kwargs)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if any(Path(path).is_relative_to(root) for root in full_roots):
+            return HalfWriter(f, path)
+        return f
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+
+
+def _entries(root: Path):
+    return sorted(p.name for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_full_cache_disk_warns_and_keeps_kernels_in_a_temporary_folder(cache_dir, device,
+                                                                       monkeypatch, caplog):
+    cache_dir.mkdir(parents=True)
+    _full_disk(monkeypatch, [cache_dir])
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        reports = check_model(device)               # compared with eager
+    assert len(kernel_keys(reports)) >= 2 and all(r.ran_kernels for r in reports)
+    for k in reports[0].kernels:
+        assert not Path(k["path"]).is_relative_to(cache_dir) and Path(k["path"]).is_file()
+    warnings = [r.getMessage() for r in caplog.records if "cannot write the kernel cache"
+                in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0]
+    assert _entries(cache_dir) == []                # no half-written entry, no temporary file
+    for cache in backend._caches.values():
+        if cache._fallback is not None:
+            shutil.rmtree(cache._fallback, ignore_errors=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_disk_full_everywhere_runs_the_graph_on_aten(cache_dir, device, monkeypatch, caplog):
+    # the cache folder and the temporary folder both full: no kernel can be written, so the
+    # graph runs on ATen, with a warning, and the results are eager's
+    import tempfile
+    cache_dir.mkdir(parents=True)
+    _full_disk(monkeypatch, [cache_dir, Path(tempfile.gettempdir())])
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        reports = check_model(device)
+    assert reports and all(r.error and "No space left" in r.error for r in reports)
+    assert all(r.num_kernels == 0 for r in reports)
+    assert any("running it on ATen unfused" in r.getMessage() for r in caplog.records)
+    assert _entries(cache_dir) == []
+    for cache in backend._caches.values():
+        if cache._fallback is not None:
+            assert _entries(cache._fallback) == []
+            shutil.rmtree(cache._fallback, ignore_errors=True)
