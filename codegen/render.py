@@ -296,14 +296,21 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     lines = [f"def launch({', '.join(['DEVICE'] + ins + syms)}):"]
     # 0-dim CPU tensors reach a GPU kernel by value
     spec = []       # the lean launch key: what Triton specializes each argument on
+    # the direct launch passes addresses, not tensors: for a tensor Triton's C launcher calls
+    # data_ptr() and asks the driver whether it is a device pointer (cuPointerGetAttribute),
+    # about a microsecond per argument on the H200's host; Dynamo's device guards and the
+    # allocations below already make every address a device one
+    addrs = []
     for i, v in enumerate(ir.inputs):
         if v.host_scalar:
             lines.append(f"    s{i} = in{i}.item()")
             ins[i] = f"s{i}"
+            addrs.append(f"s{i}")
             if not v.dtype.is_floating_point and v.dtype != torch.bool:
                 spec += [f"s{i} & 15", f"s{i} == 1"]
         else:
             lines.append(f"    p{i} = in{i}.data_ptr()")
+            addrs.append(f"p{i}")
             spec.append(f"p{i} & 15")
     outs = []       # fresh allocations: always 16-byte aligned, no key part needed
     fast, slow = [], []
@@ -327,11 +334,7 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     index64 = ("True" if static64 else
                " or ".join(f"{e} > {INDEX_LIMIT}" for e in dynamic) or "False")
     ptrs = ins + outs
-    # the direct launch passes addresses, not tensors: for a tensor Triton's C launcher calls
-    # data_ptr() and asks the driver whether it is a device pointer (cuPointerGetAttribute),
-    # about a microsecond per argument on the H200's host; Dynamo's device guards and the
-    # allocations above already make every address a device one
-    addrs = [a if a.startswith("s") else "p" + a[2:] for a in ins] + [f"{o}.data_ptr()" for o in outs]
+    addrs += [f"{o}.data_ptr()" for o in outs]
 
     def launch(name, grid, runtime, constexprs, settings, ind):
         """Lines launching ``name``: through Triton once per key, then directly."""

@@ -94,7 +94,8 @@ def calibrate_command(args) -> int:
         return 1
     print(f"{profile.name}: copy bandwidth {profile.hbm_bandwidth / 1e12:.2f} TB/s, launch "
           f"overhead {profile.launch_overhead * 1e6:.2f} us (+{profile.launch_per_output * 1e6:.2f}"
-          f" us per further output, +{profile.launch_per_input * 1e6:.2f} us per further input; GPU {profile.kernel_latency * 1e6:.2f} us per kernel), peak "
+          f" us per further output, +{profile.launch_per_input * 1e6:.2f} us per further input;"
+          f" GPU {profile.kernel_latency * 1e6:.2f} us per kernel), peak "
           f"{profile.peak_flops / 1e12:.1f} "
           f"TFLOP/s (fp32 vector estimate)\nstored in {path}")
     return 0

@@ -12,9 +12,9 @@ bytes_moved counts each distinct tensor a kernel reads once, at its own size (a 
 operand is read at its size, not the result's), and each output once. A looped row kernel that
 makes P passes over its rows reads its per-element inputs P times from HBM, unless those inputs
 together fit in half the L2 cache: then the passes after the first hit L2 and cost no HBM bytes
-(add+LayerNorm over 64 rows of 65536: 16 MB re-read, the H200's L2 is 50 MB). flops counts one per output
-element of each op computed in the kernel, TRANSCENDENTAL_FLOPS for exp, tanh, erf and the like
-(views and casts are free). `fusion-compiler calibrate` measures the host terms through the
+(add+LayerNorm over 64 rows of 65536: 16 MB re-read, the H200's L2 is 50 MB). flops counts one
+per output element of each op computed in the kernel, TRANSCENDENTAL_FLOPS for exp, tanh, erf
+and the like (views and casts are free). `fusion-compiler calibrate` measures the host terms through the
 backend's own launchers and the GPU's latency per kernel. A fused group saves the
 intermediates' write + read and the launches of the kernels it replaces (XLA's GPU performance
 model).
@@ -132,8 +132,8 @@ def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile,
     """Cost of one kernel reading ``inputs``, computing ``members`` and writing ``outputs``
     (FX nodes). ``row_inputs`` are the inputs re-read on each of ``passes`` passes (looped row
     kernels)."""
-    reread = sum(tensor_bytes(n, size_hints) for n in row_inputs)
-    if passes > 1 and 2 * reread <= profile.l2_bytes:
+    if passes > 1 and 2 * sum(tensor_bytes(n, size_hints)
+                              for n in row_inputs) <= profile.l2_bytes:
         passes = 1                          # the later passes read L2, not HBM
     read = sum(tensor_bytes(n, size_hints) * (passes if n in row_inputs else 1) for n in inputs)
     written = sum(tensor_bytes(n, size_hints) for n in outputs)

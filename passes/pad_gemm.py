@@ -31,6 +31,7 @@ ALIGN_BYTES = 16
 UNALIGNED_SLOWDOWN = 2.5        # the least measured slowdown of an unaligned GEMM (see above)
 MATMUL_TO_VECTOR = 16           # calibrate's fp32 vector peak is the bf16 matmul rate / 16
 PADDED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TRANSPOSES = (aten.t.default, aten.permute.default)
 
 
 def _val(node):
@@ -53,8 +54,7 @@ def _emit(gm, op, args, mode):
 def _pad(gm, node, pads, mode):
     """``node`` padded with zeros: ``pads`` as constant_pad_nd takes them (last dim first). A 2-D
     transpose of a contiguous tensor is padded before the transpose."""
-    src = node.args[0] if node.op == "call_function" and node.target in (
-        aten.t.default, aten.permute.default) else None
+    src = node.args[0] if node.op == "call_function" and node.target in TRANSPOSES else None
     if src is not None and _val(src) is not None and _val(src).dim() == 2 \
             and _val(src).is_contiguous() and (node.target == aten.t.default
                                                 or list(node.args[1]) == [1, 0]):
@@ -106,11 +106,12 @@ def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         for old in (a, b):          # a transpose the padded copy bypasses
-            if isinstance(old, torch.fx.Node) and not old.users and old.op == "call_function":
+            if isinstance(old, torch.fx.Node) and not old.users and old.target in TRANSPOSES:
                 gm.graph.erase_node(old)
         padded += 1
         log.info("fusion-compiler: padded GEMM [%d, %d] @ [%d, %d] to [%d, %d] @ [%d, %d] "
-                 "(16-byte aligned rows for cuBLAS)", m, k, k, n, m, k + pad_k, k + pad_k, n + pad_n)
+                 "(16-byte aligned rows for cuBLAS)",
+                 m, k, k, n, m, k + pad_k, k + pad_k, n + pad_n)
     if padded:
         gm.recompile()
     return padded

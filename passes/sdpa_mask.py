@@ -21,6 +21,8 @@ there is SDPA still one call.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -48,19 +50,19 @@ def _needs_copy(mask, devices) -> bool:
     return value.shape[-1] != 1 and value.stride(-1) != 1
 
 
-def _add(gm, after, method, args, kwargs=None, fn=None):
-    """A call_method (or call_function ``fn``) node after ``after``, its example value set."""
+def _add(gm, after, target, args, kwargs=None):
+    """A node after ``after`` calling ``target`` (a Tensor method's name, or a function), with
+    its example value computed under the fake mode of its arguments."""
+    kwargs = kwargs or {}
+    method = isinstance(target, str)
     with gm.graph.inserting_after(after):
-        node = (gm.graph.call_function(fn, args, kwargs or {}) if fn is not None
-                else gm.graph.call_method(method, args, kwargs or {}))
+        node = (gm.graph.call_method(target, args, kwargs) if method
+                else gm.graph.call_function(target, args, kwargs))
     values = [_example(a) if isinstance(a, torch.fx.Node) else a for a in args]
-    target = fn if fn is not None else getattr(torch.Tensor, method)
+    fn = getattr(torch.Tensor, target) if method else target
     mode = next((v.fake_mode for v in values if getattr(v, "fake_mode", None) is not None), None)
-    if mode is None:
-        node.meta["example_value"] = target(*values, **(kwargs or {}))
-    else:
-        with mode:
-            node.meta["example_value"] = target(*values, **(kwargs or {}))
+    with mode if mode is not None else contextlib.nullcontext():
+        node.meta["example_value"] = fn(*values, **kwargs)
     return node
 
 
@@ -81,10 +83,8 @@ def run(gm: torch.fx.GraphModule, devices=("cuda",)) -> int:
             masks[mask] = copy, _add(gm, kept, "any", (kept, -1), {"keepdim": True})
         copy, keep = masks[mask]
         replace(copy)
-        users = list(node.users)
-        guarded = _add(gm, node, None, (keep, node, 0.0), fn=torch.where)
-        for user in users:
-            user.replace_input_with(node, guarded)
+        guarded = _add(gm, node, torch.where, (keep, node, 0.0))
+        node.replace_all_uses_with(guarded, delete_user_cb=lambda user: user is not guarded)
     if masks:
         gm.recompile()
     return len(masks)
