@@ -224,7 +224,11 @@ class Lowering:
 
     def _reduction_value(self, vid, index):
         rows = self.full[:-1]
-        if self.kind != "row" or tuple(index[:len(rows)]) != rows or any(i != 0 for i in index[len(rows):]):
+        shape = self.ir.values[vid].shape
+        # past the rows, a keepdim result has dims of size 1, whose only index is 0 whatever
+        # symbol the consumer indexes them with (a last dim of size 1 is indexed by the column)
+        if self.kind != "row" or tuple(index[:len(rows)]) != rows or any(
+                i != 0 and shape[d] != 1 for d, i in enumerate(index) if d >= len(rows)):
             raise NotFusable("a reduction result is used at another row than the one it reduces")
         if ("red", vid) not in self.memo:
             raise NotFusable("reduction used before it is computed")
