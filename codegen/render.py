@@ -13,8 +13,9 @@ import torch
 
 from . import ops
 from .indexing import coalesce, flatten_index, print_expr
-from .kernel_ir import KernelIR
+from .kernel_ir import KernelIR, NotFusable
 from .lower import COL, Lowering, LoweredKernel, iteration_space
+from .multipart import split
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
@@ -24,6 +25,9 @@ INDEX_LIMIT = 2**31 - 1
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -> str:
     """Full source of the module for one fused group."""
+    parts = multipart_parts(ir)
+    if parts is not None:
+        return _generate_multipart(ir, parts, hints, title)
     kind, shape = iteration_space(ir)
     kernels = []
     if kind == "pointwise":
@@ -39,6 +43,62 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = _render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block)
+    return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
+
+
+def multipart_parts(ir: KernelIR):
+    """The parts of ``ir`` if it is several independent pointwise computations of different
+    shapes (see codegen/multipart.py), else None (``ir`` is one kernel, or not fusable)."""
+    try:
+        iteration_space(ir)
+        return None
+    except NotFusable:
+        pass
+    parts = split(ir)
+    if len(parts) < 2:
+        return None
+    for sub, _, _ in parts:
+        if iteration_space(sub)[0] != "pointwise":       # NotFusable propagates
+            raise NotFusable("parts of a multi-part kernel must be pointwise")
+    return parts
+
+
+def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str) -> str:
+    sources, calls, runtime = [], [], set()
+    shapes = []
+    for i, (sub, inputs, positions) in enumerate(parts):
+        src, size_args = _render_kernel(Lowering(sub, hints, True).run(), f"_part{i}", part=True)
+        sources.append(src)
+        runtime |= set(size_args)
+        args = ([f"in{j}" for j in inputs] + [f"out{p}" for p in positions] + size_args)
+        calls.append(args)
+        shapes.append(iteration_space(sub)[1])
+    runtime = sorted(runtime, key=lambda k: int(k[1:]))
+    params = [f"in{i},  # {v.dtype} {list(v.shape)}" for i, v in enumerate(ir.inputs)]
+    params += [f"out{p},  # {ir.values[o].dtype} {list(ir.values[o].shape)}"
+               for p, o in enumerate(ir.outputs)]
+    params += [f"{k}," for k in runtime]
+    params += [f"numel{i}," for i in range(len(parts))]
+    params += ["BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
+    lines = ["pid = tl.program_id(0)"]
+    starts = []
+    for i in range(1, len(parts)):
+        prev = f"start{i - 1} + " if i > 1 else ""
+        lines.append(f"start{i} = {prev}tl.cdiv(numel{i - 1}, BLOCK)")
+        starts.append(f"start{i}")
+    for i, args in enumerate(calls):
+        offset = f"pid - start{i}" if i else "pid"
+        call = f"_part{i}({', '.join(args + [offset, f'numel{i}', 'BLOCK', 'INDEX64'])})"
+        if i == len(parts) - 1:
+            lines += (["else:"] if i else []) + [("    " if i else "") + call]
+        else:
+            lines += [f"{'if' if i == 0 else 'elif'} pid < start{i + 1}:", "    " + call]
+    sig = "\n".join("    " + p for p in params)
+    code = "\n".join("    " + ln for ln in lines)
+    wrapper = f"@triton.jit\ndef _multipart_kernel(\n{sig}\n):\n{code}"
+    header = _header(ir, title, f"multi-part: {len(parts)} parts")
+    launcher = _render_launcher(ir, "multipart", shapes, {"multipart": runtime}, 0)
+    body = "\n\n".join(sources + [wrapper])
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
 
 
@@ -71,7 +131,7 @@ def _header(ir, title, kind):
 
 
 # ---------------------------------------------------------------------------------- kernel
-def _render_kernel(lk: LoweredKernel, name: str):
+def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
     """Source of one @triton.jit kernel and the names of its runtime size arguments."""
     row = lk.kind == "row"
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in _all_stores(lk)]
@@ -171,7 +231,7 @@ def _render_kernel(lk: LoweredKernel, name: str):
         for stmt in lk.tail:
             lines += stmt_lines(stmt)
     else:
-        lines += ["pid = tl.program_id(0)",
+        lines += ([] if part else ["pid = tl.program_id(0)"]) + [
                   "if INDEX64:",
                   "    pid = pid.to(tl.int64)",
                   "xindex = pid * BLOCK + tl.arange(0, BLOCK)",
@@ -189,7 +249,8 @@ def _render_kernel(lk: LoweredKernel, name: str):
                    "INDEX64: tl.constexpr,"]
         nospec = '"R"'
     else:
-        params += ["numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
+        params += (["pid,  # the block index, from the multi-part kernel"] if part else []) + [
+            "numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
         nospec = None   # Triton specializes numel % 16 == 0: the mask then keeps loads vectorised
     sig = "\n".join("    " + p for p in params)
     deco = f"@triton.jit(do_not_specialize=[{nospec}])" if nospec else "@triton.jit"
@@ -325,8 +386,9 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     lines.append("    dev = current_device()")
     if outs:
         lines += ["    if FAST_ALLOC and DEVICE.index == dev:", *fast, "    else:", *slow]
-    extents = [sympy.Mul(*shape)] + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
-                                     if not v.host_scalar]
+    numels = [sympy.Mul(*sh) for sh in shape] if kind == "multipart" else [sympy.Mul(*shape)]
+    extents = numels + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
+                        if not v.host_scalar]
     extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
     # one test per distinct extent: this runs on every call
     dynamic = sorted({_py(sympy.expand(e)) for e in extents if not sympy.sympify(e).is_Integer})
@@ -355,10 +417,21 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
                 f"{pad}    kernel.run({grid}, 1, 1, raw_stream(dev), kernel.function, "
                 f"kernel.packed_metadata, None, None, None, {pos})"]
 
-    static = {name for name, e in (("numel", sympy.Mul(*shape)), ("N", shape[-1] if shape else 1))
-              if sympy.sympify(e).is_Integer}
+    if kind == "multipart":
+        sized = [(f"numel{i}", n) for i, n in enumerate(numels)]
+    else:
+        sized = [("numel", numels[0]), ("N", shape[-1] if shape else 1)]
+    static = {name for name, e in sized if sympy.sympify(e).is_Integer}
     lines += [f"    index64 = {index64}"]
-    if kind == "pointwise":
+    if kind == "multipart":
+        # every part is non-empty (iteration_space refuses empty tensors)
+        names = [f"numel{i}" for i in range(len(numels))]
+        lines += [f"    {name} = {_py(n)}" for name, n in zip(names, numels)]
+        lines += [f"    BLOCK, num_warps = pointwise_settings(max({', '.join(names)}))",
+                  "    grid = " + " + ".join(f"({n} + BLOCK - 1) // BLOCK" for n in names)]
+        lines += launch("multipart", "grid", kernels["multipart"] + names,
+                        ["BLOCK", "index64"], ["BLOCK", "num_warps"], 4)
+    elif kind == "pointwise":
         lines += [f"    numel = {_py(sympy.Mul(*shape))}",
                   "    if numel > 0:",
                   "        BLOCK, num_warps = pointwise_settings(numel)",

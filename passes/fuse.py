@@ -34,6 +34,7 @@ import torch
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir, canonical_hints
 from ..codegen.lower import Lowering
+from ..codegen.render import multipart_parts
 from . import decision_cache
 from .classify import OpKind
 from .groups import DATA, FusionGroup, GraphView, analyze
@@ -53,7 +54,9 @@ def check_legal(group: FusionGroup, ctx) -> None:
     verdict = _LOWERED.get(key)
     if verdict is None:
         try:
-            Lowering(ir, hints, persistent=True).run()
+            parts = multipart_parts(ir)     # independent pointwise parts of different shapes
+            for sub in ([ir] if parts is None else [sub for sub, _, _ in parts]):
+                Lowering(sub, hints, persistent=True).run()
             verdict = ""
         except NotFusable as exc:
             verdict = str(exc) or "not fusable"
@@ -231,7 +234,8 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
     """Merge sibling groups that read the same tensor (no path between them) into one kernel
     when the model says it saves time: the shared tensor is read once, one launch is saved.
     The code generator needs one iteration space, so siblings of other shapes stay apart."""
-    tried = set()
+    rejected = set()        # pairs that do not pay or cannot be one kernel
+    scored = {}             # pair -> (score, merged): groups never change once made
     while True:
         readers = defaultdict(set)
         for gid, g in groups.items():
@@ -240,16 +244,21 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         best = None
         for ids in readers.values():
             for a, b in itertools.combinations(sorted(ids), 2):
-                if (a, b) in tried:
+                if (a, b) in rejected:
                     continue
-                tried.add((a, b))
-                if nx.has_path(unit, a, b) or nx.has_path(unit, b, a):
-                    continue
-                merged = analyze(FusionGroup(-1, groups[a].members | groups[b].members,
-                                             recomputed=groups[a].recomputed | groups[b].recomputed),
-                                 view, ctx)
-                score = groups[a].cost.time + groups[b].cost.time - merged.cost.time
-                if score > 0 and (best is None or score > best[0]):
+                if (a, b) not in scored:
+                    if nx.has_path(unit, a, b) or nx.has_path(unit, b, a):
+                        rejected.add((a, b))
+                        continue
+                    merged = analyze(FusionGroup(
+                        -1, groups[a].members | groups[b].members,
+                        recomputed=groups[a].recomputed | groups[b].recomputed), view, ctx)
+                    scored[a, b] = (groups[a].cost.time + groups[b].cost.time
+                                    - merged.cost.time, merged)
+                score, merged = scored[a, b]
+                if score <= 0:
+                    rejected.add((a, b))
+                elif best is None or score > best[0]:
                     best = (score, a, b, merged)
         if best is None:
             return next_id
@@ -261,6 +270,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         except NotFusable as exc:
             decision.update(taken=False, reason=str(exc))
             ctx.decisions.append(decision)
+            rejected.add((a, b))
             continue
         ctx.decisions.append(decision)
         merged.id = next_id

@@ -237,10 +237,31 @@ def test_sibling_norms_reading_one_weight_share_a_kernel(device):
         assert_close(a, e)
 
 
-def test_siblings_of_other_shapes_stay_apart():
-    # GQA: 8 query heads, 2 key heads -> different iteration spaces, one kernel each
+def test_reduction_siblings_of_other_shapes_stay_apart():
+    # GQA: 8 query heads, 2 key heads -> row reductions over different rows, one kernel each
+    # (a multi-part kernel holds pointwise parts only)
     q, k, w = torch.randn(2, 8, 8, 16), torch.randn(2, 8, 2, 16), torch.randn(16)
     ctx = analyze(qk_norm, q, k, w, w)
     assert len(ctx.groups) == 2
     refused = [d for d in ctx.decisions if d.get("kind") == "horizontal" and not d["taken"]]
-    assert refused and "shape" in refused[0]["reason"]
+    assert refused and "must be pointwise" in refused[0]["reason"]
+
+
+def test_pointwise_siblings_of_other_shapes_share_one_multipart_launch():
+    # RoPE of q (8 heads) and of k (2 heads) read the same cos and sin: one launch, two parts
+    from fusion_compiler.codegen.render import multipart_parts
+
+    def rope2(q, k, cos, sin):
+        def rope(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return rope(q), rope(k)
+    q, k = torch.randn(2, 8, 7, 16), torch.randn(2, 2, 7, 16)
+    cos, sin = torch.randn(7, 16), torch.randn(7, 16)
+    ctx = analyze(rope2, q, k, cos, sin)
+    (g,) = ctx.groups
+    parts = multipart_parts(g.ir)
+    assert [list(sub.values[sub.outputs[0]].shape) for sub, _, _ in parts] == [
+        [2, 8, 7, 16], [2, 2, 7, 16]]
+    taken = [d for d in ctx.decisions if d.get("kind") == "horizontal" and d["taken"]]
+    assert len(taken) == 1 and taken[0]["score_us"] > 0
