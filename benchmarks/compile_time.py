@@ -1,6 +1,7 @@
 """Compile time of a model's first call, each run in a fresh process: cold caches, then warm.
 
     python benchmarks/compile_time.py examples/llama.py:bench_4x1024 examples/gpt2.py:bench_8x512
+    python benchmarks/compile_time.py examples/llama.py:bench_4x1024 --compile-threads 0 8
 
 For each target, in this order, each in its own Python process (so nothing is cached in memory):
   aot_eager          Dynamo + aot_autograd, no compiler: what every backend pays before its own work
@@ -11,7 +12,9 @@ For each target, in this order, each in its own Python process (so nothing is ca
 Each row is the first call's wall time (inputs built and the GPU synchronized before the clock
 starts). ``backend s`` is that time minus aot_eager's: the compiler's own share, Triton's
 compilation or loading of its kernels included. ``passes s`` (fusion) is the time spent in the
-backend's passes, from the compile reports. Needs a CUDA GPU.
+backend's passes, from the compile reports; it includes compiling the Triton kernels, which the
+generate pass does on threads (codegen/precompile.py; ``--compile-threads 0`` leaves that to the
+first launches, outside this column). Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def show(r: dict) -> None:
           flush=True)
 
 
-def measure(target: str) -> list[dict]:
+def measure(target: str, threads=(None,)) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,10 +71,14 @@ def measure(target: str) -> list[dict]:
         base = first_call(target, "aot_eager", env("aot"))["seconds"]
         rows.append({"target": target, "run": "aot_eager", "seconds": base})
         show(rows[-1])
-        for backend in ("inductor", "fusion"):
+        runs = [("inductor", "inductor", {})]
+        runs += [("fusion", "fusion" if t is None else f"fusion t={t}",
+                  {} if t is None else {"FUSION_COMPILER_COMPILE_THREADS": str(t)})
+                 for t in threads]
+        for backend, name, extra in runs:
             for run in ("cold", "warm"):
-                r = first_call(target, backend, env(backend))
-                rows.append({"target": target, "run": f"{backend} {run}", "seconds": r["seconds"],
+                r = first_call(target, backend, dict(env(name), **extra))
+                rows.append({"target": target, "run": f"{name} {run}", "seconds": r["seconds"],
                              "backend_seconds": r["seconds"] - base,
                              "passes_seconds": r["passes"] if backend == "fusion" else None})
                 show(rows[-1])
@@ -82,9 +89,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="+")
     parser.add_argument("-o", "--output", help="also write the rows as JSON")
+    parser.add_argument("--compile-threads", type=int, nargs="+", default=[None],
+                        help="fusion runs with these FUSION_COMPILER_COMPILE_THREADS values "
+                             "(default: the configured one)")
     args = parser.parse_args()
     print(HEADER, flush=True)
-    rows = [row for t in args.targets for row in measure(t)]
+    rows = [row for t in args.targets for row in measure(t, args.compile_threads)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

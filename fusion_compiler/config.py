@@ -39,6 +39,9 @@ class Config:
     # Capture inference graphs with static shapes into CUDA graphs (fusion_compiler/cudagraphs.py);
     # also set by torch.compile(..., mode="reduce-overhead").
     cudagraphs: bool = False
+    # Threads compiling a graph's Triton kernels at compile time (codegen/precompile.py); 0
+    # leaves each kernel to compile on its first launch, one after another.
+    compile_threads: int = 8
 
     @staticmethod
     def from_env(env=None) -> "Config":
@@ -84,8 +87,20 @@ def with_compile_args(config: Config, mode=None, options=None) -> Config:
                                       (typ is not int or not isinstance(value, bool))):
             raise ConfigError(f"torch.compile(options={{{name!r}: {value!r}}}): expected "
                               f"{known[name]}")
+        if typ is int and value < _least(name):
+            raise ConfigError(f"torch.compile(options={{{name!r}: {value!r}}}): expected "
+                              f"{_INT_WORDS[_least(name)]}")
         updates[name] = value
     return replace(config, **updates)
+
+
+# integer settings are positive, except these, where 0 turns something off
+_ZERO_ALLOWED = {"compile_threads"}
+_INT_WORDS = {0: "an integer >= 0", 1: "a positive integer"}
+
+
+def _least(name: str) -> int:
+    return 0 if name.lower().removeprefix("fusion_compiler_") in _ZERO_ALLOWED else 1
 
 
 def _parse(name: str, raw: str, typ: str):
@@ -99,8 +114,8 @@ def _parse(name: str, raw: str, typ: str):
         try:
             value = int(raw)
         except ValueError:
-            raise ConfigError(f"{name}={raw!r}: expected a positive integer") from None
-        if value <= 0:
-            raise ConfigError(f"{name}={raw!r}: expected a positive integer")
+            raise ConfigError(f"{name}={raw!r}: expected {_INT_WORDS[_least(name)]}") from None
+        if value < _least(name):
+            raise ConfigError(f"{name}={raw!r}: expected {_INT_WORDS[_least(name)]}")
         return value
     return raw

@@ -6,12 +6,17 @@ A group that cannot be generated (its error says why) stays on ATen.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
+from ..codegen import precompile
 from ..codegen.kernel_ir import NotFusable, canonical_hints
+from ..codegen.launch import LEAN
 from ..codegen.render import generate
 from .partition import symbols_available
+
+log = logging.getLogger("fusion_compiler")
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -48,7 +53,40 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             ctx.launchers[g.id] = launch
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
                             "ops": [str(n.target) for n in g.members], "runs": runs})
+    if LEAN and ctx.config.compile_threads > 0:
+        _compile_kernels(ctx)
     return gm
+
+
+def _compile_kernels(ctx) -> None:
+    """Compile the launchers' Triton kernels now, on threads (codegen/precompile.py). A group
+    whose kernel Triton cannot compile stays on ATen (its error says why)."""
+    users: dict = {}            # Triton kernel -> the groups that launch it
+    calls_on: dict = {}         # device -> recorded launches
+    for g in ctx.groups:
+        launch = ctx.launchers.get(g.id)
+        if launch is None:
+            continue
+        try:
+            calls = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
+        except Exception as exc:    # not predicted: the first call compiles it, as it would
+            if ctx.config.strict:
+                raise
+            log.debug("fusion-compiler: group %s not compiled ahead (%s)", g.id, exc)
+            continue
+        calls_on.setdefault(launch.args[0], []).extend(calls)
+        for call in calls:
+            users.setdefault(call[0], []).append(g)
+    for device, calls in calls_on.items():
+        for kernel, exc in precompile.compile_launches(calls, device,
+                                                       ctx.config.compile_threads).items():
+            if ctx.config.strict:
+                raise exc
+            for g in users[kernel]:
+                g.error = f"Triton could not compile its kernel ({type(exc).__name__}: " \
+                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+                ctx.launchers.pop(g.id, None)
+    ctx.kernels[:] = [k for k in ctx.kernels if not k["runs"] or k["group"] in ctx.launchers]
 
 
 def label(group) -> str:

@@ -274,6 +274,12 @@ def test_bad_max_persistent_block_is_a_config_error(value, monkeypatch, device):
     assert "FUSION_COMPILER_MAX_PERSISTENT_BLOCK" in str(info.value)
 
 
+def test_compile_threads_may_be_zero_but_not_negative():
+    assert Config.from_env({"FUSION_COMPILER_COMPILE_THREADS": "0"}).compile_threads == 0
+    with pytest.raises(ConfigError, match="COMPILE_THREADS='-1': expected an integer >= 0"):
+        Config.from_env({"FUSION_COMPILER_COMPILE_THREADS": "-1"})
+
+
 def test_bad_bool_is_a_config_error(monkeypatch):
     monkeypatch.setenv("FUSION_COMPILER_DISABLE", "maybe")
     with pytest.raises(ConfigError, match="FUSION_COMPILER_DISABLE"):
@@ -331,6 +337,8 @@ def test_compile_mode_and_options_set_the_config():
     ({"options": {"cuda_graphs": True}}, "unknown option"),
     ({"options": {"max_group_ops": "7"}}, "expected int"),
     ({"options": {"cudagraphs": 1}}, "expected bool"),
+    ({"options": {"max_persistent_block": -4}}, "expected a positive integer"),
+    ({"options": {"compile_threads": -1}}, "expected an integer >= 0"),
 ])
 def test_bad_compile_mode_or_option_is_a_clear_error(kwargs, match, device):
     torch._dynamo.reset()

@@ -1,0 +1,141 @@
+"""Kernels compiled at compile time (codegen/precompile.py): the launches predicted from stand-ins
+are the ones the first call makes, and a kernel Triton cannot compile leaves its group on ATen."""
+import threading
+
+import pytest
+import torch
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
+from fusion_compiler.codegen import precompile
+from fusion_compiler.passes import generate
+from helpers import as_tuple, assert_close, compile_and_run, kernel_count
+
+
+def rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def model(x, y, w, q, k, cos, sin, wide):
+    h = x + y
+    n = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype) * w
+    return (n, torch.nn.functional.gelu(n + 1.0), rope(q, cos, sin), rope(k, cos, sin),
+            torch.softmax(wide, -1))
+
+
+def model_args(dtype, device):
+    r = lambda *s: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
+    # `wide` is a view one element into its storage: its address is not 16-byte aligned
+    wide = r(7, 301)[:, 1:]
+    return (r(5, 3, 96), r(5, 3, 96), r(96), r(2, 4, 9, 16), r(2, 2, 9, 16), r(9, 16), r(9, 16),
+            wide)
+
+
+def _name(kernel):
+    return getattr(kernel, "fn", kernel).__name__
+
+
+def _specialization(call):
+    kernel, grid, args, kwargs = call
+    return (_name(kernel), grid, tuple(native_specialize_impl(BaseBackend, a, False, True, True)
+                                       for a in args), tuple(sorted(kwargs.items(), key=str)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_predicted_launches_are_the_real_ones(dtype, monkeypatch, device):
+    # a small persistent block so the softmax over 300 columns takes the looped kernel
+    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "128")
+    compared = {}
+
+    def spy(ctx):
+        for g in ctx.groups:
+            launch = ctx.launchers.get(g.id)
+            if launch is None:
+                continue
+            predicted = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
+
+            def checked(*args, launch=launch, predicted=predicted, n=len(g.inputs), gid=g.id):
+                real = precompile.recorded_launches(launch, args[:n], args[n:])
+                compared[gid] = ([_specialization(c) for c in predicted],
+                                 [_specialization(c) for c in real])
+                return launch(*args)
+            ctx.launchers[g.id] = checked
+
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(generate, "_compile_kernels", spy)
+    args = model_args(dtype, device)
+    out, reports = compile_and_run(model, args)
+    for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(model(*args)))):
+        assert_close(a, e, dtype=dtype, name=f"output {i}")
+    assert len(compared) == kernel_count(reports) >= 3
+    kinds = set()
+    for gid, (predicted, real) in compared.items():
+        assert predicted == real, f"group {gid}"
+        kinds.update(name for name, *_ in real)
+    assert {"_persistent_kernel", "_looped_kernel", "_multipart_kernel"} <= kinds, kinds
+    # the unaligned view was predicted unaligned (a pointer specialized without 'D')
+    unaligned = [s for p, _ in compared.values() for name, _, specs, _ in p
+                 if name == "_looped_kernel" for s in specs if s[0].startswith("*")]
+    assert unaligned and unaligned[0][1] == "", unaligned
+
+
+def _fail_persistent(calls, device, threads):
+    return {c[0]: RuntimeError("PTXAS error: Entry function uses too much shared data\nmore")
+            for c in calls if _name(c[0]) == "_persistent_kernel"}
+
+
+def rmsnorm_gelu(x, y, w):
+    h = x + y
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    return torch.nn.functional.gelu(n) * 2.0, h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_triton_cannot_compile_stays_on_aten(dtype, monkeypatch, device):
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(precompile, "compile_launches", _fail_persistent)
+    args = [torch.randn(6, 33, dtype=dtype, device=device), torch.randn(6, 33, dtype=dtype, device=device),
+            torch.randn(33, dtype=dtype, device=device)]
+    out, reports = compile_and_run(rmsnorm_gelu, args)
+    for i, (a, e) in enumerate(zip(out, rmsnorm_gelu(*args))):
+        assert_close(a, e, dtype=dtype, name=f"output {i}")
+    (report,) = reports
+    errors = [e for _, e in report.groups_not_generated]
+    assert errors == ["Triton could not compile its kernel (RuntimeError: PTXAS error: Entry "
+                      "function uses too much shared data)"], errors
+    assert kernel_count(reports) == 0
+    assert any("mean" in op for op in report.aten_ops)
+
+
+def test_kernel_triton_cannot_compile_raises_when_strict(monkeypatch, device):
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(precompile, "compile_launches", _fail_persistent)
+    args = [torch.randn(6, 33, device=device) for _ in range(2)] + [torch.randn(33, device=device)]
+    with pytest.raises(Exception, match="PTXAS error"):
+        compile_and_run(rmsnorm_gelu, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [8, 0])
+def test_first_call_compiles_nothing(threads, monkeypatch, cache_dir):
+    """On the GPU every kernel of the graph is compiled on the pool's threads, none on the first
+    launch (a prediction that missed would compile on the calling thread); with 0 threads all
+    compile on the first launch. A fresh kernel cache: kernels compiled by earlier tests would
+    not compile again."""
+    from triton import knobs
+
+    monkeypatch.setenv("FUSION_COMPILER_COMPILE_THREADS", str(threads))
+
+    compiled_on = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook",
+                        lambda *a, **k: compiled_on.append(threading.current_thread().name))
+    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "128")
+    args = model_args(torch.bfloat16, "cuda")
+    out, reports = compile_and_run(model, args)
+    for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(model(*args)))):
+        assert_close(a, e, dtype=torch.bfloat16, name=f"output {i}")
+    where = "fc-compile" if threads else "MainThread"
+    assert compiled_on and all(name.startswith(where) for name in compiled_on), compiled_on
+    assert len(compiled_on) >= kernel_count(reports) >= 3
