@@ -158,7 +158,7 @@ def main():
                 timed[vname] = (lambda m=mod: m.launch(dev, *ins))
                 if vname == "generated":
                     table = next(v for k, v in vars(mod).items() if k.startswith("_COMPILED_"))
-                    for compiled_kernel in table.values():
+                    for *_, compiled_kernel in table.values():      # launch.direct_entry
                         code.append(f"# ===== {name}: fusion PTX =====\n{compiled_kernel.asm['ptx']}")
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 row.setdefault("failed", {})[vname] = f"{type(e).__name__}: {e}"[:300]

@@ -6,6 +6,7 @@ kernel. They depend on sizes known only at run time, and are cheap: a few intege
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from triton import knobs
@@ -69,11 +70,33 @@ FAST_ALLOC = empty_cuda is not None
 
 
 def remember(table: dict, key: tuple, kernel) -> None:
-    """Keep ``kernel`` (what ``kernel[grid](...)`` returned) for direct relaunches under ``key``."""
+    """Keep ``kernel`` (what ``kernel[grid](...)`` returned) for direct relaunches under ``key``,
+    as ``direct_entry`` makes it."""
     rt = knobs.runtime
     if (LEAN and kernel is not None and getattr(kernel, "function", None) is not None
             and not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)):
-        table[key] = kernel
+        table[key] = direct_entry(kernel)
+
+
+def direct_entry(kernel) -> tuple:
+    """``(launch, function, cooperative, pdl, metadata, kernel)``; a launcher relaunches with
+    ``e[0](grid, 1, 1, stream, e[1], e[2], e[3], None, None, e[4], None, None, None, *args)``,
+    Triton's C launch function's own arguments. Where the kernel needs no scratch memory and
+    its launcher is that C function, ``e[0]`` is it: the Python of ``CompiledKernel.run`` and
+    ``CudaLauncher.__call__`` (two frames and two scratch checks on every launch) is skipped.
+    Otherwise ``e[0]`` goes through them, as Triton's own launches do."""
+    launcher = kernel.run                       # a property: loads the kernel if need be
+    c_launch = getattr(launcher, "launch", None)
+    if (isinstance(c_launch, types.BuiltinFunctionType)
+            and getattr(launcher, "global_scratch_size", 1) == 0
+            and getattr(launcher, "profile_scratch_size", 1) == 0):
+        return (c_launch, kernel.function, bool(launcher.launch_cooperative_grid),
+                bool(launcher.launch_pdl), kernel.packed_metadata, kernel)
+
+    def through_triton(gx, gy, gz, stream, function, _cooperative, _pdl, _gscratch, _pscratch,
+                       *rest):
+        kernel.run(gx, gy, gz, stream, function, *rest)
+    return (through_triton, kernel.function, False, False, kernel.packed_metadata, kernel)
 
 
 def _hooked(hook) -> bool:

@@ -410,12 +410,12 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
                        + ["INDEX64=index64", "num_warps=num_warps"])
         pad = " " * ind
         return [f"{pad}key = ({key},)",
-                f"{pad}kernel = _COMPILED_{name}.get(key)",
-                f"{pad}if kernel is None:",
+                f"{pad}k = _COMPILED_{name}.get(key)",
+                f"{pad}if k is None:",
                 f"{pad}    remember(_COMPILED_{name}, key, _{name}_kernel[({grid},)]({kw}))",
                 f"{pad}else:",
-                f"{pad}    kernel.run({grid}, 1, 1, raw_stream(dev), kernel.function, "
-                f"kernel.packed_metadata, None, None, None, {pos})"]
+                f"{pad}    k[0]({grid}, 1, 1, raw_stream(dev), k[1], k[2], k[3], None, None, k[4], "
+                f"None, None, None, {pos})"]
 
     if kind == "multipart":
         sized = [(f"numel{i}", n) for i, n in enumerate(numels)]

@@ -376,6 +376,39 @@ def test_cudagraphs_are_not_used_where_unsafe():
     assert "cpu tensor" in cudagraphs.why_not(captured["g"], "inference")   # getitem is fine
 
 
+def test_direct_relaunch_calls_tritons_c_launch_function_or_goes_through_run():
+    """A kernel without scratch memory whose launcher is the C function is relaunched through
+    that function; any other goes through the compiled kernel's `run`, with the same arguments
+    Triton's own launch passes."""
+    from fusion_compiler.codegen.launch import direct_entry
+
+    calls = []
+
+    class Launcher:
+        launch, global_scratch_size, profile_scratch_size = max, 0, 0
+        launch_cooperative_grid, launch_pdl = 0, 1
+
+    class Compiled:
+        function, packed_metadata = 1234, (4, 1, 0)
+        run = Launcher()
+    entry = direct_entry(Compiled())
+    assert entry[0] is max and entry[1:5] == (1234, False, True, (4, 1, 0))
+
+    class Scratch(Launcher):             # scratch memory: Triton's __call__ allocates it
+        global_scratch_size = 128
+
+        def __call__(self, *args):
+            calls.append(args)
+
+    class CompiledScratch(Compiled):
+        run = Scratch()
+    entry = direct_entry(CompiledScratch())
+    assert entry[0] is not max
+    entry[0](7, 1, 1, "stream", entry[1], entry[2], entry[3], None, None, entry[4], None, None,
+             None, 111, 222)
+    assert calls == [(7, 1, 1, "stream", 1234, (4, 1, 0), None, None, None, 111, 222)]
+
+
 def test_lean_launch_table_is_kept_only_without_launch_hooks(monkeypatch):
     """The GPU path stores compiled kernels for direct relaunch; a Triton launch hook (a
     profiler) must keep every launch going through Triton instead."""
@@ -386,6 +419,10 @@ def test_lean_launch_table_is_kept_only_without_launch_hooks(monkeypatch):
 
     class Compiled:
         function = object()
+        packed_metadata = (4, 1, 0)
+        run = type("Launcher", (), {"launch": max, "global_scratch_size": 0,
+                                    "profile_scratch_size": 0, "launch_cooperative_grid": False,
+                                    "launch_pdl": False})()
     table = {}
     launch.remember(table, ("k",), Compiled())
     assert ("k",) in table
