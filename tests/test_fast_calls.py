@@ -34,8 +34,61 @@ def test_left_over_aten_ops_use_direct_bindings(monkeypatch, device, dtype):
     assert {"aten.addmm.default", "aten.bmm.default"} <= set(names), names
     (gm,) = graphs
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert {torch.addmm, torch.bmm} <= targets
+    assert {torch._C._nn.linear, torch.bmm} <= targets      # addmm of w.t(): one linear call
+    assert torch.addmm not in targets and torch.t not in targets
     assert not targets & set(fast_calls.FAST), "an eligible ATen call was left on its overload"
+
+
+def projections(x, wq, wk, wv, wo, b, y):
+    # three GEMMs of the same view of x; wo's transpose feeds two GEMMs, so it must stay. (No
+    # GEMM reads the fused kernel's bf16 output: a one-ulp difference there, over K = 7, could
+    # exceed bf16's tolerance while every op is right.)
+    h = x.view(-1, x.shape[-1])
+    q, k, v = h @ wq.t(), h @ wk.t(), torch.nn.functional.linear(h, wv, b)
+    wot = wo.t()
+    return q, k, v, (q * k + v).relu(), h @ wot, y @ wot, x.view(-1, x.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_views_are_made_once_and_gemms_of_transposes_are_linear(monkeypatch, device,
+                                                                          dtype):
+    graphs = []
+    compile_aten_graph = backend.compile_aten_graph
+    monkeypatch.setattr(backend, "compile_aten_graph",
+                        lambda gm, kind, config: graphs.append(compile_aten_graph(gm, kind, config)) or graphs[-1])
+    args = [torch.randn(3, 5, 7, device=device, dtype=dtype)] + [
+        torch.randn(7, 7, device=device, dtype=dtype) for _ in range(4)] + [
+        torch.randn(7, device=device, dtype=dtype), torch.randn(4, 7, device=device, dtype=dtype)]
+    with torch.no_grad():
+        out, reports = compile_and_run(projections, args)
+        expected = projections(*args)
+    for i, (a, e) in enumerate(zip(out, expected)):
+        assert_close(a, e, dtype=dtype, name=f"output {i}")
+    assert kernel_count(reports) >= 1
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    linear = [n for n in calls if n.target is torch._C._nn.linear]
+    assert len(linear) == 3, gm.code                    # q, k, and v with its bias
+    # the three projections read one view of x (the graph output keeps its own)
+    assert len({n.args[0] for n in linear}) == 1, gm.code
+    # wo's transpose has two users: its GEMMs keep it
+    assert len([n for n in calls if n.target is torch.mm]) == 2, gm.code
+
+
+def test_a_view_that_is_a_graph_output_is_not_merged():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.view.default, (x, [6]))
+    b = g.call_function(torch.ops.aten.view.default, (x, [6]))
+    c = g.call_function(torch.ops.aten.view.default, (x, [6]))
+    g.output((a, g.call_function(torch.ops.aten.add.Tensor, (b, c))))
+    gm = torch.fx.GraphModule({}, g)
+    fast_calls.run(gm)
+    views = [n for n in gm.graph.nodes if n.target is torch.Tensor.view]
+    assert len(views) == 2          # b and c merged; a, an output, kept
+    x = torch.randn(2, 3)
+    out, total = gm(x)
+    assert torch.equal(out, x.view(6)) and torch.equal(total, 2 * x.view(6))
 
 
 def test_calls_with_other_keywords_keep_their_overload():
