@@ -1,7 +1,8 @@
 """`fusion-compiler bench`: eager vs Inductor vs fusion on the GPU, one table and a JSON file.
 
 For each target and backend: median latency (triton.testing.do_bench: warm-up, then the median
-of repeated calls on fresh random inputs), speedup over eager, the HBM floor and the fraction of
+of repeated calls on fresh random inputs; with several backends, the median of five rounds
+that time each backend in turn), speedup over eager, the HBM floor and the fraction of
 it reached (patterns), CUDA kernels launched per call (profiler count), cold compile time (first
 call) and warm compile time (dynamo reset, kernel caches full), peak memory, and the largest
 difference from eager. With ``breakdown=True``, also where one call's GPU time goes
@@ -68,6 +69,7 @@ def max_error(out, ref) -> float:
 def kernels_per_call(fn, args) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()        # work queued before (a timing loop) is not this call's
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(*args)
         torch.cuda.synchronize()
@@ -75,11 +77,13 @@ def kernels_per_call(fn, args) -> int:
 
 
 def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None,
-            breakdown=False) -> dict:
-    """Numbers for one target on one backend (``breakdown``: and its GPU time per category)."""
+            breakdown=False, held_at_start=None):
+    """Numbers for one target on one backend (``breakdown``: and its GPU time per category);
+    returns (row, eager's outputs or None, the timed call for ``interleaved``)."""
     from triton.testing import do_bench
 
     torch._dynamo.reset()
+    held_before = torch.cuda.memory_allocated()
     args = make_inputs()
     compile_args = COMPILE_ARGS[backend]
     f = fn if compile_args is None else torch.compile(fn, **compile_args)
@@ -110,11 +114,13 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
         a = fresh[next(calls) % len(fresh)]     # rotate inputs: no cache-resident reruns
         with torch.no_grad() if mode == "inference" else _null():
             return step(*a)
-    ms = do_bench(call, warmup=25, rep=200, return_mode="median")
+    ms = do_bench(call, warmup=25, rep=100, return_mode="median")
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad() if mode == "inference" else _null():
         launches = kernels_per_call(step, args)
-    peak = torch.cuda.max_memory_allocated()
+    # what earlier backends' compiled code still holds (CUDA graph pools) is not this one's
+    earlier = 0 if held_at_start is None else held_before - held_at_start
+    peak = torch.cuda.max_memory_allocated() - earlier
     row = {"backend": backend, "ms": ms, "cold_compile_s": cold, "warm_compile_s": warm,
            "kernels_per_call": launches, "peak_mem_bytes": peak,
            "max_err_vs_eager": err}
@@ -127,7 +133,29 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
         # a pattern's floor (inference) is its fused kernels' floor when they do all its work
         whole = "floor_ms" in row and mode == "inference" and BD.all_fused(kernels)
         row["breakdown"] = BD.summarize(kernels, row["floor_ms"] * 1e3 if whole else None)
-    return row, out
+    row["_check"] = lambda: kernels_per_call(step, args)
+    return row, out, call
+
+
+ROUNDS = 5
+
+
+def interleaved(calls: dict, rounds: int = ROUNDS) -> dict:
+    """backend -> the median latency (ms) of ``rounds`` rounds, each timing every backend in
+    turn (``do_bench`` medians, the order reversed every other round), so a drift of the host's
+    speed or the GPU's clocks during the run falls on all backends alike: on the H200 host,
+    eager's time for one model moved 5-12 ms between runs."""
+    from triton.testing import do_bench
+
+    for call in calls.values():     # Dynamo recompiles what later backends' resets cleared
+        call()
+    torch.cuda.synchronize()
+    times = {b: [] for b in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for b in (names if r % 2 == 0 else names[::-1]):
+            times[b].append(do_bench(calls[b], warmup=5, rep=40, return_mode="median"))
+    return times
 
 
 class _null:
@@ -185,19 +213,42 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
         if is_pattern:
             args = make()
             floor = P.floor_bytes(name, args, fn(*args))
-        ref, rows = None, {}
+        ref, rows, calls = None, {}, {}
         # training steps change the weights: every backend starts from the same ones
         start = ({k: v.detach().clone() for k, v in fn.state_dict().items()}
                  if mode == "training" and isinstance(fn, torch.nn.Module) else None)
+        held = torch.cuda.memory_allocated()
         for backend in backends:
             done += 1
             print(f"[{done}/{total}] {name}: {backend}", file=progress, flush=True)
             if start is not None:
                 fn.load_state_dict(start)
-            row, out = measure(fn, make, backend, mode, floor, ref, breakdown)
+            row, out, call = measure(fn, make, backend, mode, floor, ref, breakdown, held)
             if backend == "eager":
                 ref = out
             rows[backend] = row
+            if call is not None:
+                calls[backend] = call
+        if len(calls) > 1:
+            print(f"{name}: {ROUNDS} interleaved timing rounds", file=progress, flush=True)
+            for backend, times in interleaved(calls).items():
+                row = rows[backend]
+                row["ms_alone"], row["ms_rounds"] = row["ms"], times
+                # the rounds must have run the graphs measured above: else their times are
+                # not this backend's, and its own timing stands
+                again = row["_check"]()
+                if again != row["kernels_per_call"]:
+                    row["rounds_discarded"] = (f"{again} kernels per call after the rounds, "
+                                               f"{row['kernels_per_call']} before")
+                    print(f"{name} / {backend}: interleaved times discarded "
+                          f"({row['rounds_discarded']}); its own timing is reported",
+                          file=progress, flush=True)
+                    continue
+                row["ms"] = sorted(times)[len(times) // 2]
+                if "floor_ms" in row:
+                    row["frac_of_floor"] = row["floor_ms"] / row["ms"]
+        for row in rows.values():
+            row.pop("_check", None)
         eager_ms = rows.get("eager", {}).get("ms")
         for row in rows.values():
             row["speedup_vs_eager"] = eager_ms / row["ms"] if eager_ms else None
