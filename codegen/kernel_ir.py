@@ -59,13 +59,15 @@ class KernelIR:
         """Canonical text of the IR: what the cache key hashes and what `dump --ir` shows."""
         lines = [f"device {self.device_type}", f"symbols {' '.join(map(str, self.symbols))}"]
         for i, v in enumerate(self.inputs):
-            lines.append(f"%{i} = input {v.dtype} shape={v.shape} stride={v.stride} "
-                         f"offset={v.storage_offset}" + (" host-scalar" if v.host_scalar else ""))
+            lines.append(f"%{i} = input {v.dtype} shape={_fmt(v.shape)} stride={_fmt(v.stride)} "
+                         f"offset={_fmt(v.storage_offset)}"
+                         + (" host-scalar" if v.host_scalar else ""))
         for j, op in enumerate(self.ops):
             vid = len(self.inputs) + j
             v = self.values[vid]
-            lines.append(f"%{vid} = {op.target}{op.args} {dict(op.kwargs)} -> {v.dtype} {v.shape}")
-        lines.append("outputs " + ", ".join(f"%{o} stride={self.values[o].stride}"
+            lines.append(f"%{vid} = {op.target}{_fmt(op.args)} {_fmt(dict(op.kwargs))} -> "
+                         f"{v.dtype} {_fmt(v.shape)}")
+        lines.append("outputs " + ", ".join(f"%{o} stride={_fmt(self.values[o].stride)}"
                                             for o in self.outputs))
         return "\n".join(lines)
 
@@ -74,6 +76,30 @@ class KernelIR:
         for s in salt:
             h.update(b"\0" + s.encode())
         return h.hexdigest()[:32]
+
+
+_PRINTED: dict = {}      # sympy expression -> its text (sympy's printer is slow; the IR
+                        # of every candidate group is printed, and the same sizes recur)
+
+
+def _fmt(obj) -> str:
+    """``repr(obj)`` for the IR's tuples, dicts and scalars, with sympy expressions printed
+    once each."""
+    if isinstance(obj, sympy.Basic):
+        text = _PRINTED.get(obj)
+        if text is None:
+            if len(_PRINTED) > 65536:
+                _PRINTED.clear()
+            text = _PRINTED[obj] = str(obj)
+        return text
+    if isinstance(obj, tuple):
+        inner = ", ".join(map(_fmt, obj))
+        return f"({inner},)" if len(obj) == 1 else f"({inner})"
+    if isinstance(obj, list):
+        return f"[{', '.join(map(_fmt, obj))}]"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{_fmt(k)}: {_fmt(v)}" for k, v in obj.items()) + "}"
+    return repr(obj)
 
 
 def ref_id(arg):
@@ -87,6 +113,10 @@ class _Canon:
         self.mapping: dict = {}
 
     def expr(self, e):
+        if isinstance(e, sympy.Integer):
+            return e
+        if type(e) is int:
+            return sympy.Integer(e)
         e = sympy.sympify(e)
         for s in sorted(e.free_symbols, key=lambda s: s.name):
             if s not in self.mapping:

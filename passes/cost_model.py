@@ -21,6 +21,8 @@ model).
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from .shapes import hint
@@ -118,9 +120,15 @@ _FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t
          "convert_element_type", "cat", "split", "chunk"}
 
 
+@functools.lru_cache(maxsize=4096)
+def _op_name(target) -> str:
+    text = str(target)
+    return text.split(".")[1] if "." in text else text
+
+
 def op_flops(node, size_hints: dict) -> int:
     """FLOPs of one op per the model above: its output elements, times its weight."""
-    name = str(node.target).split(".")[1] if "." in str(node.target) else str(node.target)
+    name = _op_name(node.target)
     if name in _FREE or "fc_tensor" not in node.meta:
         return 0
     weight = TRANSCENDENTAL_FLOPS if name in _TRANSCENDENTAL else 1

@@ -10,6 +10,7 @@ Writes ``node.meta["fc_tensor"]`` (``TensorInfo``) on every node that yields one
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import sympy
@@ -29,7 +30,7 @@ class TensorInfo:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @functools.cached_property           # sympy builds a Mul on each product: cost-model hot
     def numel(self) -> sympy.Expr:
         return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
 
