@@ -136,14 +136,17 @@ def op_flops(node, size_hints: dict) -> int:
 
 
 def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile,
-                members=()) -> KernelCost:
+                members=(), reread=()) -> KernelCost:
     """Cost of one kernel reading ``inputs``, computing ``members`` and writing ``outputs``
     (FX nodes). ``row_inputs`` are the inputs re-read on each of ``passes`` passes (looped row
-    kernels)."""
+    kernels); ``reread``, inputs read once more each (by another part of a multi-part
+    kernel). A re-read comes from L2, not HBM, when what is re-read fits in half of it."""
     if passes > 1 and 2 * sum(tensor_bytes(n, size_hints)
                               for n in row_inputs) <= profile.l2_bytes:
         passes = 1                          # the later passes read L2, not HBM
     read = sum(tensor_bytes(n, size_hints) * (passes if n in row_inputs else 1) for n in inputs)
+    if 2 * sum(tensor_bytes(n, size_hints) for n in reread) > profile.l2_bytes:
+        read += sum(tensor_bytes(n, size_hints) for n in reread)
     written = sum(tensor_bytes(n, size_hints) for n in outputs)
     flops = sum(op_flops(n, size_hints) for n in members)
     host = (profile.launch_overhead + profile.launch_per_output * max(len(outputs) - 1, 0)

@@ -37,7 +37,7 @@ from ..codegen.lower import Lowering
 from ..codegen.render import multipart_parts
 from . import decision_cache
 from .classify import OpKind
-from .groups import DATA, FusionGroup, GraphView, analyze
+from .groups import DATA, FusionGroup, GraphView, analyze, charge_parts
 
 def check_legal(group: FusionGroup, ctx) -> None:
     """Raise NotFusable unless the code generator can make one kernel of ``group``."""
@@ -102,6 +102,7 @@ def _restore(gm, ctx, specs, recomputed_anywhere, decisions):
             g.error = s["error"]
         else:
             g.ir, g.graph_symbols = build_kernel_ir(g.nodes, g.inputs, g.outputs)
+            charge_parts(g, ctx)
         for n in g.members:
             n.meta["fc_group"] = g.id
     ctx.decisions.extend(decisions)
@@ -205,6 +206,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if g.ir is None:
             try:
                 check_legal(g, ctx)
+                charge_parts(g, ctx)
             except NotFusable as exc:
                 g.error = str(exc)
         for n in g.members:
@@ -232,8 +234,9 @@ def _expose_recompute_inputs(groups, view, ctx):
 
 def _horizontal(groups, group_of, unit, view, ctx, next_id):
     """Merge sibling groups that read the same tensor (no path between them) into one kernel
-    when the model says it saves time: the shared tensor is read once, one launch is saved.
-    The code generator needs one iteration space, so siblings of other shapes stay apart."""
+    when the model says it saves time: one launch is saved, and the shared tensor is read once.
+    Pointwise siblings of different shapes become a multi-part kernel (codegen/multipart.py),
+    where each part loads what it reads: scored again once legality shows that."""
     rejected = set()        # pairs that do not pay or cannot be one kernel
     scored = {}             # pair -> (score, merged): groups never change once made
     while True:
@@ -263,16 +266,25 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         if best is None:
             return next_id
         score, a, b, merged = best
-        decision = _decision(groups[a], groups[b], merged, score, True, "fused (siblings)")
-        decision["kind"] = "horizontal"
         try:
             check_legal(merged, ctx)
         except NotFusable as exc:
-            decision.update(taken=False, reason=str(exc))
+            decision = _decision(groups[a], groups[b], merged, score, False, str(exc))
+            decision["kind"] = "horizontal"
             ctx.decisions.append(decision)
             rejected.add((a, b))
             continue
+        charge_parts(merged, ctx)       # a multi-part kernel: each part loads what it reads
+        score = groups[a].cost.time + groups[b].cost.time - merged.cost.time
+        taken = score > 0
+        decision = _decision(groups[a], groups[b], merged, score, taken, "fused (siblings)" if taken
+                             else "does not pay: each part of the multi-part kernel loads the "
+                                  "shared input again")
+        decision["kind"] = "horizontal"
         ctx.decisions.append(decision)
+        if not taken:
+            rejected.add((a, b))
+            continue
         merged.id = next_id
         next_id += 1
         for n in merged.members:

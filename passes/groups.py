@@ -5,6 +5,7 @@ through views); ``analyze`` fills in a group's inputs, outputs and cost-model es
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +122,22 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
                              ctx.profile, group.members)
     return group
+
+
+def charge_parts(group: FusionGroup, ctx) -> None:
+    """Correct a legal group's cost (``group.ir`` set) if it is a multi-part kernel
+    (codegen/multipart.py): each part loads the inputs it reads, so an input read by k parts
+    is read k times (from HBM when those re-reads do not fit in half the L2)."""
+    from ..codegen.render import multipart_parts
+
+    parts = multipart_parts(group.ir)
+    if parts is None:
+        return
+    reads = Counter(i for _, ins, _ in parts for i in ins)
+    reread = [group.inputs[i] for i, k in reads.items() for _ in range(k - 1)]
+    if reread:
+        group.cost = kernel_cost(group.inputs, group.outputs, 1, (), ctx.size_hints,
+                                 ctx.profile, group.members, reread)
 
 
 def _looped_passes(group: FusionGroup, view: GraphView, ctx):

@@ -20,7 +20,7 @@ H200 = PROFILES["h200"]
 def analyze(fn, *args, **config):
     """Run the analysis passes on the inference ATen graph of ``fn``; return the context."""
     contexts = []
-    cfg = dataclasses.replace(Config.from_env(), profile="h200", **config)
+    cfg = dataclasses.replace(Config.from_env(), **{"profile": "h200", **config})
 
     def compiler(gm, _inputs):
         ctx = make_context(cfg, "inference")
@@ -235,6 +235,23 @@ def test_sibling_norms_reading_one_weight_share_a_kernel(device):
     assert any(d.get("kind") == "horizontal" and d["taken"] for d in reports[0].decisions)
     for a, e in zip(out, qk_norm(q, k, w, w)):
         assert_close(a, e)
+
+
+def test_each_part_of_a_multipart_kernel_pays_for_its_own_loads():
+    """a * w over [2, 64] and b + w over [3, 64] share w: one launch of two parts, and each part
+    loads w. Without an L2 in the profile ("generic") w's second read counts; on the H200 it
+    fits in half the L2 and is free, as the looped kernels' re-reads are."""
+    a, b, w = torch.randn(2, 64), torch.randn(3, 64), torch.randn(64)
+    fn = lambda a, b, w: (a * w, b + w)  # noqa: E731
+    for profile, read in (("generic", (2 + 3 + 1 + 1) * 64 * 4), ("h200", (2 + 3 + 1) * 64 * 4)):
+        ctx = analyze(fn, a, b, w, profile=profile)
+        (g,) = ctx.groups
+        assert g.cost.bytes_read == read, profile
+        assert g.cost.bytes_written == (2 + 3) * 64 * 4
+        (taken,) = [d for d in ctx.decisions if d.get("kind") == "horizontal" and d["taken"]]
+        assert taken["bytes_after"] == read + (2 + 3) * 64 * 4
+        unfused = sum(ctx.unfused_cost[n].time for n in g.members)
+        assert 0 < taken["score_us"] <= unfused * 1e6 - g.cost.time * 1e6 + 1e-9
 
 
 def test_reduction_siblings_of_other_shapes_stay_apart():
