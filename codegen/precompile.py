@@ -79,6 +79,54 @@ def stand_ins(group, hints: dict) -> tuple:
     return inputs, [hint(s, hints) for s in group.graph_symbols]
 
 
+def compile_for_target(kernel, args, kwargs, target):
+    """Compile one recorded launch with Triton's own compiler (front end, MLIR, LLVM, ptxas)
+    for ``target`` (a ``GPUTarget``), on a machine without that GPU: the steps of
+    ``JITFunction.run`` up to its compile (argument binding and specialization, options), with
+    the backend made for ``target`` instead of the current device's. The CPU tests compile the
+    generated kernels this way for sm_90, where Triton's interpreter would hide a kernel the
+    real compiler rejects. Returns Triton's ``CompiledKernel``."""
+    from triton import knobs
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.compiler.compiler import compile as triton_compile
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton_compile(source, target=target, options=options.__dict__)
+
+
+def compile_specs(specs: list, target) -> list:
+    """Compile launches described by plain data (for a process of its own, where Triton's
+    interpreter has never been loaded): each spec names a generated module's file, one of its
+    kernels and the recorded arguments. Returns, per spec, the compiled kernel's name, shared
+    memory and cubin size."""
+    import sys
+    from pathlib import Path
+
+    done = []
+    for spec in specs:
+        path = spec["path"]
+        name = f"fusion_kernel_{Path(path).stem}_for_target"
+        module = sys.modules.get(name)
+        if module is None:
+            module = types.ModuleType(name)
+            module.__file__ = path
+            sys.modules[name] = module
+            exec(compile(Path(path).read_text(), path, "exec"), module.__dict__)
+        compiled = compile_for_target(module.__dict__[spec["kernel"]], spec["args"],
+                                      spec["kwargs"], target)
+        done.append({"name": compiled.metadata.name, "shared": compiled.metadata.shared,
+                     "cubin_bytes": len(compiled.asm["cubin"])})
+    return done
+
+
 def compile_launches(calls: list, device: torch.device, threads: int) -> dict:
     """Compile the recorded launches, ``threads`` at a time; return {kernel: exception} for the
     kernels Triton could not compile."""

@@ -1,5 +1,6 @@
 """Kernels compiled at compile time (codegen/precompile.py): the launches predicted from stand-ins
 are the ones the first call makes, and a kernel Triton cannot compile leaves its group on ATen."""
+import json
 import threading
 
 import pytest
@@ -139,3 +140,76 @@ def test_first_call_compiles_nothing(threads, monkeypatch, cache_dir):
     where = "fc-compile" if threads else "MainThread"
     assert compiled_on and all(name.startswith(where) for name in compiled_on), compiled_on
     assert len(compiled_on) >= kernel_count(reports) >= 3
+
+
+# ------------------------------------------------- Triton's real compiler, without a GPU
+SM90_SHARED = 232448        # bytes of shared memory a block may use on the H100 / H200
+
+
+def _sm90_cases():
+    from fusion_compiler import patterns as P
+    cases = [(name, P.PATTERNS[name], P.make_args(name, 6, 40, torch.bfloat16, "cpu"), {})
+             for name in P.PATTERNS if name != "rope"]
+    cases.append(("softmax looped", P.softmax_scale,
+                  P.make_args("softmax_scale", 5, 300, torch.float16, "cpu"),
+                  {"FUSION_COMPILER_MAX_PERSISTENT_BLOCK": "128"}))
+    cases.append(("rope q and k (multi-part)", lambda q, k, c, s: (rope(q, c, s), rope(k, c, s)),
+                  (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(9, 16),
+                   torch.randn(9, 16)), {}))
+    return cases
+
+
+_COMPILE = """
+import json, pickle, sys
+from triton.backends.compiler import GPUTarget
+from fusion_compiler.codegen.precompile import compile_specs
+specs = pickle.load(sys.stdin.buffer)
+print(json.dumps(compile_specs(specs, GPUTarget("cuda", 90, 32))))
+"""
+
+
+@pytest.mark.parametrize("name, fn, args, env", _sm90_cases(),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_generated_kernels_compile_for_sm90(name, fn, args, env, monkeypatch, tmp_path):
+    """Each generated kernel of the anchor patterns (and a looped and a multi-part kernel)
+    compiled by Triton's real compiler (front end, MLIR, LLVM, ptxas) for sm_90, launch by
+    launch as the first call would make them: the interpreter that runs the CPU tests accepts
+    kernels the real compiler may not. In a process of its own: Triton's interpreter, loaded
+    here, cannot share a process with its compiler."""
+    import pickle
+    import subprocess
+    import sys
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    specs = []
+
+    def spy(ctx):
+        by_group = {k["group"]: k for k in ctx.kernels}
+        for g in ctx.groups:
+            launch = ctx.launchers.get(g.id)
+            if launch is None:
+                continue
+            names = {id(v): k for k, v in launch.func.__globals__.items() if k.endswith("_kernel")}
+            for kernel, grid, cargs, kwargs in precompile.recorded_launches(
+                    launch, *precompile.stand_ins(g, ctx.size_hints)):
+                specs.append({"path": by_group[g.id]["path"], "kernel": names[id(kernel)],
+                              "args": cargs, "kwargs": kwargs})
+
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(generate, "_compile_kernels", spy)
+    out, reports = compile_and_run(fn, args)
+    for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(fn(*args)))):
+        fp8 = a.dtype == torch.float8_e4m3fn
+        assert_close(a.float() if fp8 else a, e.float() if fp8 else e, atol=0.07 if fp8 else None,
+                     rtol=0.07 if fp8 else None, name=f"output {i}")
+    assert len(specs) >= kernel_count(reports) >= 1
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(specs),
+                          capture_output=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    results = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    assert len(results) == len(specs)
+    for spec, r in zip(specs, results):
+        assert r["cubin_bytes"] > 0 and r["shared"] <= SM90_SHARED, (spec["kernel"], r)
