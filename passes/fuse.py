@@ -233,19 +233,25 @@ def _expose_recompute_inputs(groups, view, ctx):
 
 
 def _horizontal(groups, group_of, unit, view, ctx, next_id):
-    """Merge sibling groups that read the same tensor (no path between them) into one kernel
-    when the model says it saves time: one launch is saved, and the shared tensor is read once.
+    """Merge sibling groups (no path between them) that read the same tensor or feed the same
+    op into one kernel when the model says it saves time: one launch is saved, and a shared
+    tensor is read once.
     Pointwise siblings of different shapes become a multi-part kernel (codegen/multipart.py),
     where each part loads what it reads: scored again once legality shows that."""
     rejected = set()        # pairs that do not pay or cannot be one kernel
     scored = {}             # pair -> (score, merged): groups never change once made
     while True:
-        readers = defaultdict(set)
+        # siblings: groups that read one tensor, and groups whose results one op reads (q-norm
+        # and k-norm feeding attention: they share no input, but each costs a launch)
+        families = defaultdict(set)
         for gid, g in groups.items():
             for i in g.inputs:
-                readers[i].add(gid)
+                families["reads", i].add(gid)
+            for u in unit.successors(gid):      # ATen ops only: not the graph's output
+                if isinstance(u, torch.fx.Node) and u.op == "call_function":
+                    families["feeds", u].add(gid)
         best = None
-        for ids in readers.values():
+        for ids in families.values():
             for a, b in itertools.combinations(sorted(ids), 2):
                 if (a, b) in rejected:
                     continue

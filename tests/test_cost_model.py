@@ -5,6 +5,7 @@ large where the bytes must dominate the launch overhead.
 """
 import dataclasses
 
+import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
@@ -252,6 +253,29 @@ def test_each_part_of_a_multipart_kernel_pays_for_its_own_loads():
         assert taken["bytes_after"] == read + (2 + 3) * 64 * 4
         unfused = sum(ctx.unfused_cost[n].time for n in g.members)
         assert 0 < taken["score_us"] <= unfused * 1e6 - g.cost.time * 1e6 + 1e-9
+
+
+def feeds_one_gemm(a, b):
+    # relu(a) and sigmoid(b) read nothing in common; both feed the GEMM
+    return torch.mm(a.relu() * 2.0, torch.sigmoid(b) + 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(5, 7, 3), (33, 17, 33)])
+def test_siblings_feeding_one_op_share_a_launch(dtype, m, k, n, device):
+    """Launch-bound siblings that share no input but feed one op are merged (into a multi-part
+    kernel when their shapes differ): one kernel, not two."""
+    from helpers import assert_close, compile_and_run, kernel_count
+
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    out, reports = compile_and_run(feeds_one_gemm, (a, b))
+    assert kernel_count(reports) == 1, reports[0].decisions
+    (report,) = reports
+    taken = [d for d in report.decisions if d.get("kind") == "horizontal" and d["taken"]]
+    assert len(taken) == 1 and taken[0]["score_us"] > 0
+    assert_close(out, feeds_one_gemm(a, b), dtype=dtype, atol=0.05 if dtype != torch.float32
+                 else None, rtol=0.05 if dtype != torch.float32 else None)
 
 
 def test_reduction_siblings_of_other_shapes_stay_apart():

@@ -28,15 +28,16 @@ _spec.loader.exec_module(llama)
 #   1  row reduction  previous layer's residual add + attn_norm RMSNorm (pow, mean, add, rsqrt,
 #                     mul, mul); in layer 0 the RMSNorm of the embedding alone
 #   2  multi-part     RoPE of q: q*cos + cat(-q2, q1)*sin (chunk became slices / as_strided
-#                     views), and as a second part RoPE of k fused with repeat_kv's expand +
-#                     contiguous copy (clone): siblings of other shapes, one launch
-#   3  pointwise      repeat_kv of v: expand + contiguous copy (clone)
-#   4  row reduction  residual add (attention) + mlp_norm RMSNorm
-#   5  pointwise      SwiGLU: silu(gate) * up (sigmoid, mul, mul)
+#                     views); as a second part RoPE of k fused with repeat_kv's expand +
+#                     contiguous copy (clone); as a third repeat_kv of v (expand + clone):
+#                     siblings of other shapes (the first two share cos and sin, all three
+#                     feed attention), one launch
+#   3  row reduction  residual add (attention) + mlp_norm RMSNorm
+#   4  pointwise      SwiGLU: silu(gate) * up (sigmoid, mul, mul)
 #
 # plus one per model: the last residual add + final RMSNorm (a row reduction), so a model of L
-# layers has 5 * L + 1 forward kernels.
-EXPECTED_PER_LAYER = 5
+# layers has 4 * L + 1 forward kernels.
+EXPECTED_PER_LAYER = 4
 EXPECTED_PER_MODEL = 1
 
 # ATen ops allowed to stay in the forward graph: GEMMs, attention, embedding.

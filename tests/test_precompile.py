@@ -153,10 +153,24 @@ def _sm90_cases():
     cases.append(("softmax looped", P.softmax_scale,
                   P.make_args("softmax_scale", 5, 300, torch.float16, "cpu"),
                   {"FUSION_COMPILER_MAX_PERSISTENT_BLOCK": "128"}))
-    cases.append(("rope q and k (multi-part)", lambda q, k, c, s: (rope(q, c, s), rope(k, c, s)),
+    cases.append(("rope q and k (two parts)", lambda q, k, c, s: (rope(q, c, s), rope(k, c, s)),
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(9, 16),
                    torch.randn(9, 16)), {}))
+    cases.append(("attention inputs (three parts)", gqa_attention,
+                  (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
+                   torch.randn(9, 16), torch.randn(9, 16)), {}))
     return cases
+
+
+def repeat_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def gqa_attention(q, k, v, cos, sin):
+    # RoPE of q, RoPE of k with its repeat, and v's repeat: three siblings feeding attention
+    return torch.nn.functional.scaled_dot_product_attention(
+        rope(q, cos, sin), repeat_kv(rope(k, cos, sin), 2), repeat_kv(v, 2), is_causal=True)
 
 
 _COMPILE = """
@@ -204,6 +218,9 @@ def test_generated_kernels_compile_for_sm90(name, fn, args, env, monkeypatch, tm
         assert_close(a.float() if fp8 else a, e.float() if fp8 else e, atol=0.07 if fp8 else None,
                      rtol=0.07 if fp8 else None, name=f"output {i}")
     assert len(specs) >= kernel_count(reports) >= 1
+    if "parts" in name:         # the siblings really became one multi-part kernel
+        parts = 3 if "three" in name else 2
+        assert any(open(sp["path"]).read().count("def _part") == parts for sp in specs), specs
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(specs),
