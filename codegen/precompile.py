@@ -8,7 +8,8 @@ recorder in place of each Triton kernel. The recorded launches are compiled with
 ``JITFunction.warmup`` on a thread pool, and loaded (which builds Triton's C launcher for the
 kernel's signature); Triton keeps each result in the kernel's own cache, where the first real
 launch finds it. Threads overlap what runs outside the GIL (ptxas and the C compiler at least):
-16 kernels took 2.29 s one after another and 1.16 s on 8 threads on the H200 device's host.
+16 kernels took 2.29 s one after another and 1.16 s on 8 threads on the H200 device's host
+(`python benchmarks/thread_compile.py`).
 
 A launch predicted wrong (an input at an address no compile-time value shows, a host scalar's
 value) costs what it did before: the first call compiles the variant it needs.

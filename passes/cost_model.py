@@ -145,8 +145,9 @@ def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile,
                               for n in row_inputs) <= profile.l2_bytes:
         passes = 1                          # the later passes read L2, not HBM
     read = sum(tensor_bytes(n, size_hints) * (passes if n in row_inputs else 1) for n in inputs)
-    if 2 * sum(tensor_bytes(n, size_hints) for n in reread) > profile.l2_bytes:
-        read += sum(tensor_bytes(n, size_hints) for n in reread)
+    reread_bytes = sum(tensor_bytes(n, size_hints) for n in reread)
+    if 2 * reread_bytes > profile.l2_bytes:
+        read += reread_bytes
     written = sum(tensor_bytes(n, size_hints) for n in outputs)
     flops = sum(op_flops(n, size_hints) for n in members)
     host = (profile.launch_overhead + profile.launch_per_output * max(len(outputs) - 1, 0)

@@ -82,9 +82,9 @@ def _compile_kernels(ctx) -> None:
                                                        ctx.config.compile_threads).items():
             if ctx.config.strict:
                 raise exc
+            why = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
             for g in users[kernel]:
-                g.error = f"Triton could not compile its kernel ({type(exc).__name__}: " \
-                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+                g.error = f"Triton could not compile its kernel ({why})"
                 ctx.launchers.pop(g.id, None)
     ctx.kernels[:] = [k for k in ctx.kernels if not k["runs"] or k["group"] in ctx.launchers]
 

@@ -1,0 +1,123 @@
+"""Host time per node of fusion's compiled Llama 1 x 128 inference graph (GPU).
+
+    python benchmarks/host_per_node.py
+
+Prints the whole call's time, the number of call nodes in the compiled graph, the host time
+of each kind of node (median over 25 runs of an FX interpreter that times each call; the
+interpreter's own overhead inflates these), single-op host costs for comparison, and the host
+and GPU time of each SDPA backend at 1 x 128 and 4 x 1024.
+"""
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from llama import bench_1x128  # noqa: E402
+
+from fusion_compiler import backend as B  # noqa: E402
+
+
+def per_call(fn, n=100):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main():
+    captured = {}
+    compile_aten_graph = B.compile_aten_graph
+
+    def spy(gm, kind, config):
+        new = compile_aten_graph(gm, kind, config)
+        captured["gm"] = new
+
+        def call(*args):
+            captured.setdefault("args", args)
+            return new(*args)
+        return call
+    B.compile_aten_graph = spy
+    model, (ids,) = bench_1x128(device="cuda")
+    model.eval()
+    with torch.no_grad():
+        f = torch.compile(model, backend="fusion")
+        f(ids)
+        gm, args = captured["gm"], captured["args"]
+        print(f"full compiled call {per_call(lambda: f(ids)):.0f} us; graph module alone "
+              f"{per_call(lambda: gm(*args)):.0f} us; "
+              f"eager {per_call(lambda: model(ids)):.0f} us")
+        times = collections.defaultdict(list)
+
+        class Timed(torch.fx.Interpreter):
+            def run_node(self, n):
+                if n.op != "call_function":
+                    return super().run_node(n)
+                a, k = self.fetch_args_kwargs_from_env(n)
+                t = time.perf_counter()
+                r = n.target(*a, **k)
+                times[n].append(time.perf_counter() - t)
+                return r
+        interp = Timed(gm)
+        for _ in range(30):
+            interp.run(*args)
+        torch.cuda.synchronize()
+        kinds = collections.defaultdict(lambda: [0, 0.0])
+        for n, ts in times.items():
+            if n.meta.get("fc_launcher") is not None:
+                key = "launcher " + Path(n.target.func.__code__.co_filename).stem[:6]
+            else:
+                key = getattr(n.target, "__name__", str(n.target))
+            kinds[key][0] += 1
+            kinds[key][1] += statistics.median(ts[5:]) * 1e6
+        print(f"sum of node host medians {sum(v[1] for v in kinds.values()):.0f} us over "
+              f"{sum(v[0] for v in kinds.values())} call nodes")
+        for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:30]:
+            print(f"{k:40s} {c:4d} calls {t:8.1f} us  {t / c:6.2f} us/call")
+        x = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(128, 2048, device="cuda", dtype=torch.bfloat16)
+        empty = torch._C._dynamo.guards._empty_strided_cuda
+        for name, fn in [("torch.mm", lambda: torch.mm(x, w)),
+                         ("torch.mm out=", lambda: torch.mm(x, w, out=out)),
+                         ("aten.mm.default", lambda: torch.ops.aten.mm.default(x, w)),
+                         ("x.view", lambda: x.view(1, 128, 2048)),
+                         ("torch.add", lambda: torch.add(x, x)),
+                         ("empty_strided_cuda",
+                          lambda: empty((128, 2048), (2048, 1), torch.bfloat16))]:
+            print(f"{name:30s} {per_call(fn, 2000):6.2f} us")
+        for b, s in [(1, 128), (4, 1024)]:
+            q, k, v = (torch.randn(b, 16, s, 128, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            aten = torch.ops.aten
+            ops = {"cudnn": lambda: aten._scaled_dot_product_cudnn_attention(
+                       q, k, v, None, False, 0.0, True, False),
+                   "flash": lambda: aten._scaled_dot_product_flash_attention(
+                       q, k, v, 0.0, True, False),
+                   "efficient": lambda: aten._scaled_dot_product_efficient_attention(
+                       q, k, v, None, False, 0.0, True),
+                   "F.sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                       q, k, v, is_causal=True)}
+            for name, op in ops.items():
+                for _ in range(20):
+                    op()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(200):
+                    op()
+                host = (time.perf_counter() - t) / 200 * 1e6
+                torch.cuda.synchronize()
+                print(f"sdpa {b}x{s} {name:10s} host {host:6.1f} us  "
+                      f"gpu {do_bench(op, warmup=10, rep=100) * 1e3:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
