@@ -59,7 +59,7 @@ def show(r: dict) -> None:
           flush=True)
 
 
-def measure(target: str, threads=(None,)) -> list[dict]:
+def measure(target: str, threads=(None,), inductor=True) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +71,7 @@ def measure(target: str, threads=(None,)) -> list[dict]:
         base = first_call(target, "aot_eager", env("aot"))["seconds"]
         rows.append({"target": target, "run": "aot_eager", "seconds": base})
         show(rows[-1])
-        runs = [("inductor", "inductor", {})]
+        runs = [("inductor", "inductor", {})] if inductor else []
         runs += [("fusion", "fusion" if t is None else f"fusion t={t}",
                   {} if t is None else {"FUSION_COMPILER_COMPILE_THREADS": str(t)})
                  for t in threads]
@@ -92,9 +92,12 @@ def main() -> int:
     parser.add_argument("--compile-threads", type=int, nargs="+", default=[None],
                         help="fusion runs with these FUSION_COMPILER_COMPILE_THREADS values "
                              "(default: the configured one)")
+    parser.add_argument("--no-inductor", action="store_true",
+                        help="skip Inductor's runs (when they were measured in another run)")
     args = parser.parse_args()
     print(HEADER, flush=True)
-    rows = [row for t in args.targets for row in measure(t, args.compile_threads)]
+    rows = [row for t in args.targets
+            for row in measure(t, args.compile_threads, not args.no_inductor)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

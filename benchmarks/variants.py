@@ -34,6 +34,39 @@ NO_MASK = [(r", mask=rmask & cmask, other=0\)", ")"), (r", mask=rmask & cmask\)"
            (r", mask=xmask, other=0\)", ")"), (r", mask=xmask\)", ")")]
 
 
+def hoist_loads(text):
+    """Loads that do not depend on a row reduction (a weight row, a scale) moved before it:
+    Triton does not move a load across the reduction's barrier, so each row program otherwise
+    waits for them after the reduction."""
+    lines = text.split("\n")
+    anchor = next(i for i, line in enumerate(lines) if line.strip() == "mask = rmask & cmask")
+    moving = [line for line in lines[anchor + 1:]
+              if re.match(r"\s+x\d+ = tl\.load\(in\d+ \+ (cols|0)[,)]", line)]
+    rest = [line for line in lines if line not in moving]
+    return "\n".join(rest[:anchor + 1] + moving + rest[anchor + 1:])
+
+
+# the per-element division by a row's (or the kernel's) scale s, correctly rounded as eager's
+# division is (div.full.f32, what Triton emits for `/`, is within 2 ulp): r = 1/s once,
+# correctly rounded; q = y * r; one FMA correction (Markstein): c = q + (y - q * s) * r. Where
+# c is NaN (an infinite or NaN operand, a zero scale) q is IEEE's answer; the sign of q is
+# c's (a zero quotient keeps its sign). Measurement only: a scale under 2^-126 (r infinite)
+# with y = 0 gives NaN where eager gives 0.
+_DIV = r"(\w+) = \((\w+) / (\w+)\)\n"
+EXACT = (_DIV, "\\1_r = tl.math.div_rn(1.0, \\3)\n"
+               "    \\1_q = \\2 * \\1_r\n"
+               "    \\1_c = tl.math.fma(tl.math.fma(\\1_q, -\\3, \\2), \\1_r, \\1_q)\n"
+               "    \\1_c = tl.where(\\1_c == \\1_c, \\1_c, \\1_q)\n"
+               "    \\1 = (\\1_c.to(tl.uint32, bitcast=True) | (\\1_q.to(tl.uint32, bitcast=True) "
+               "& 0x80000000)).to(tl.float32, bitcast=True)\n")
+# clamp(-448, 448) before a saturating e4m3 conversion: the conversion saturates to +-448 (and
+# keeps NaN) by itself
+NO_CLAMP = (r"= tl\.minimum\(tl\.maximum\((\w+), -448\.0, propagate_nan=tl\.PropagateNan\.ALL\), "
+            r"448\.0, propagate_nan=tl\.PropagateNan\.ALL\)", r"= \1")
+EVICT_X = (r"(x1 = tl\.load\(in0 \+ \(cols \+ \(\d+ \* rindex\)\), mask=rmask & cmask, other=0)\)",
+           r"\1, eviction_policy='evict_first')")
+
+
 def const_n(n):
     return (r"cmask = cols < N", f"cmask = cols < {n}")
 
@@ -70,14 +103,22 @@ VARIANTS = {
         "no masks": NO_MASK,
     },
     "rmsnorm_fp8": {
-        "recip": [RECIP],
-        "no masks": NO_MASK,
-        "recip + no masks": [RECIP] + NO_MASK,
+        "hoist": [hoist_loads],
+        "hoist, no clamp": [hoist_loads, NO_CLAMP],
+        "hoist, no clamp, w4": [hoist_loads, NO_CLAMP, rows(1, 4)],
+        "hoist, no clamp, 2 rows w8": [hoist_loads, NO_CLAMP, rows(2, 8)],
+        "hoist, no clamp, evict x": [hoist_loads, NO_CLAMP, EVICT_X],
+        "hoist, no clamp, exact": [hoist_loads, NO_CLAMP, EXACT],
+        "hoist, no clamp, exact, w4": [hoist_loads, NO_CLAMP, EXACT, rows(1, 4)],
     },
     "rmsnorm_dynamic_fp8": {
-        "recip": [RECIP],
-        "no masks": NO_MASK,
-        "recip + no masks": [RECIP] + NO_MASK,
+        "hoist": [hoist_loads],
+        "hoist, no clamp": [hoist_loads, NO_CLAMP],
+        "hoist, no clamp, w4": [hoist_loads, NO_CLAMP, rows(1, 4)],
+        "hoist, no clamp, 2 rows w8": [hoist_loads, NO_CLAMP, rows(2, 8)],
+        "hoist, no clamp, evict x": [hoist_loads, NO_CLAMP, EVICT_X],
+        "hoist, no clamp, exact": [hoist_loads, NO_CLAMP, EXACT],
+        "hoist, no clamp, exact, w4": [hoist_loads, NO_CLAMP, EXACT, rows(1, 4)],
     },
 }
 
@@ -147,7 +188,11 @@ def main():
         dev = torch.device("cuda", torch.cuda.current_device())
         for vname, subs in {"generated": [], **variants}.items():
             text = source
-            for pat, rep in subs:
+            for sub in subs:
+                if callable(sub):
+                    text = sub(text)
+                    continue
+                pat, rep = sub
                 text, count = re.subn(pat, rep, text)
                 if count == 0:
                     print(f"  {name} / {vname}: pattern {pat!r} not found", flush=True)
