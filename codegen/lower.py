@@ -304,8 +304,11 @@ class Lowering:
         fused = self._one_plus_tanh(vid, op, index, preds)
         if fused is not None:
             return fused
+        args = op.args
+        if out.dtype == torch.float8_e4m3fn and t in ops.CASTS and ref_id(args[0]) is not None:
+            args = (("ref", ops.past_saturated_clamps(self.ir, ref_id(args[0]))),) + args[1:]
         tensors, printed = [], []
-        for a in op.args:
+        for a in args:
             r = ref_id(a)
             if r is not None:
                 v = self.value(r, broadcast_index(index, out.shape, self.ir.values[r].shape), preds)

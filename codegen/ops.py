@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .kernel_ir import NotFusable
+from .kernel_ir import NotFusable, ref_id
 
 TL_DTYPE = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -178,6 +178,46 @@ BOOL_BITWISE = {"aten.bitwise_and.Tensor": "aten.logical_and.default",
 # Ops that only change the dtype (or nothing): the value is the operand's, cast.
 CASTS = {"aten.clone.default", "aten._to_copy.default", "prims.convert_element_type.default",
          "aten.alias.default", "aten.detach.default"}
+
+
+_CLAMPS = {"aten.clamp.default": (1, 2), "aten.clamp_min.default": (1, None),
+           "aten.clamp_max.default": (None, 1)}
+FP8_E4M3_MAX = 448.0
+
+
+def past_saturated_clamps(ir, vid: int) -> int:
+    """The value to convert to float8_e4m3fn in place of ``vid``: past the clamps of ``vid``
+    whose bounds take in [-448, 448], when this torch's conversion saturates. Such a clamp
+    changes nothing the saturating conversion would not (|x| > 448 and +-inf become +-448, NaN
+    stays NaN), and costs two instructions per element: the FP8 quant kernels, compute-heavy at
+    one byte written per element, ran 3-7% of the HBM floor faster without it."""
+    if not FP8_SATURATES:
+        return vid
+    n_in = len(ir.inputs)
+    while vid >= n_in:
+        op = ir.ops[vid - n_in]
+        where = _CLAMPS.get(op.target)
+        if where is None:
+            return vid
+        kw = dict(op.kwargs)
+        lo, hi = ((op.args[i] if i is not None and i < len(op.args) else kw.get(name))
+                  for i, name in zip(where, ("min", "max")))
+        src = ref_id(op.args[0])
+        if (src is None or not _bound(lo, below=True) or not _bound(hi, below=False)
+                or ir.values[src].dtype != ir.values[vid].dtype
+                or not ir.values[vid].dtype.is_floating_point):
+            return vid
+        vid = src
+    return vid
+
+
+def _bound(b, below: bool) -> bool:
+    """Whether clamp bound ``b`` lets all of [-448, 448] through (None: no bound on that side)."""
+    if b is None:
+        return True
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        return False        # a tensor bound, a symbolic one: not known here
+    return b <= -FP8_E4M3_MAX if below else b >= FP8_E4M3_MAX
 
 
 def cast(expr: str, src: torch.dtype, dst: torch.dtype) -> str:

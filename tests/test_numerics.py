@@ -43,6 +43,34 @@ def test_fp8_conversion_random_bit_exact(device):
     assert_fp8_bits_equal(out, to_fp8(x), x)
 
 
+# A clamp to at least [-448, 448] before a saturating e4m3 conversion is left out of the kernel
+# (the conversion saturates by itself); a narrower one, a tensor bound, and a torch that does
+# not saturate keep it. Edges: ties, the saturation boundary, +-inf, NaN, signed zero.
+CLAMP_CASES = [((-448.0, 448.0), False), ((-1000.0, 600.0), False), ((None, 448.0), False),
+               ((-200.0, 448.0), True), ((-448.0, 100.5), True)]
+
+
+@pytest.mark.parametrize("bounds, kept", CLAMP_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_clamp_before_saturating_fp8_conversion(bounds, kept, dtype, device):
+    from fusion_compiler.codegen import ops
+    lo, hi = bounds
+
+    def quant(x, s):
+        y = (x / s).clamp(lo, hi) if lo is not None else (x / s).clamp(max=hi)
+        return y.to(torch.float8_e4m3fn)
+
+    edges = [e for e in FP8_EDGES if abs(e) < 1e4] + [float("inf"), -float("inf"), -500.0]
+    x = torch.cat([torch.tensor(edges), torch.randn(37 * 5 - len(edges)) * 300]).view(37, 5)
+    x = x.to(dtype).to(device)
+    s = torch.tensor(0.75, device=device)
+    out, reports = compile_and_run(quant, (x, s))
+    assert kernel_count(reports) == 1
+    assert_fp8_bits_equal(out.flatten(), quant(x, s).flatten(), x.flatten())
+    source = _kernel_source(reports)
+    assert ("tl.minimum(" in source or "tl.maximum(" in source) == (kept or not ops.FP8_SATURATES)
+
+
 def test_bf16_rounding_is_nearest_even(device):
     # fp32 values exactly halfway between bf16 neighbours, and just off halfway
     base = torch.randn(2048, device=device).to(torch.bfloat16).float()
