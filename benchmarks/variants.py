@@ -52,19 +52,65 @@ def hoist_loads(text):
 # c is NaN (an infinite or NaN operand, a zero scale) q is IEEE's answer; the sign of q is
 # c's (a zero quotient keeps its sign). Measurement only: a scale under 2^-126 (r infinite)
 # with y = 0 gives NaN where eager gives 0.
-_DIV = r"(\w+) = \((\w+) / (\w+)\)\n"
-EXACT = (_DIV, "\\1_r = tl.math.div_rn(1.0, \\3)\n"
-               "    \\1_q = \\2 * \\1_r\n"
-               "    \\1_c = tl.math.fma(tl.math.fma(\\1_q, -\\3, \\2), \\1_r, \\1_q)\n"
-               "    \\1_c = tl.where(\\1_c == \\1_c, \\1_c, \\1_q)\n"
-               "    \\1 = (\\1_c.to(tl.uint32, bitcast=True) | (\\1_q.to(tl.uint32, bitcast=True) "
-               "& 0x80000000)).to(tl.float32, bitcast=True)\n")
+def exact(text):
+    """The division by a shared divisor (``fl.div_shared``, codegen's replica of div.full.f32)
+    made correctly rounded: r = 1/b once, correctly rounded; q = a * r; one FMA correction."""
+    b = dict((r, b) for r, b, _ in re.findall(r"(\w+) = fl\.div_recip\((\w+), (\w+)\)", text))
+
+    def rewrite(m):
+        out, a, _k, r = m.groups()
+        d = b[r]
+        return (f"{out}_r = tl.math.div_rn(1.0, {d})\n    {out}_q = {a} * {out}_r\n"
+                f"    {out}_c = tl.math.fma(tl.math.fma({out}_q, -{d}, {a}), {out}_r, {out}_q)\n"
+                f"    {out}_c = tl.where({out}_c == {out}_c, {out}_c, {out}_q)\n"
+                f"    {out} = ({out}_c.to(tl.uint32, bitcast=True) | ({out}_q.to(tl.uint32, "
+                f"bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)\n")
+    return re.sub(r"(\w+) = fl\.div_shared\((\w+), (\w+), (\w+)\)\n", rewrite, text)
+
+
 # clamp(-448, 448) before a saturating e4m3 conversion: the conversion saturates to +-448 (and
 # keeps NaN) by itself
 NO_CLAMP = (r"= tl\.minimum\(tl\.maximum\((\w+), -448\.0, propagate_nan=tl\.PropagateNan\.ALL\), "
             r"448\.0, propagate_nan=tl\.PropagateNan\.ALL\)", r"= \1")
 EVICT_X = (r"(x1 = tl\.load\(in0 \+ \(cols \+ \(\d+ \* rindex\)\), mask=rmask & cmask, other=0)\)",
            r"\1, eviction_policy='evict_first')")
+
+
+def reload(text):
+    """The row's input loaded again after the row reduction (from L1 / L2, where the first
+    load left it) instead of kept in registers across it: fewer registers per element, so
+    more rows in flight per SM (vLLM's fused RMSNorm+quant kernels read their row twice)."""
+    lines = text.split("\n")
+    first = next(i for i, line in enumerate(lines)
+                 if re.match(r"\s+x\d+ = tl\.load\(in\d+ \+ \(cols", line))
+    name, rhs = re.match(r"\s+(x\d+) = (.*)$", lines[first]).groups()
+    after = next(i for i, line in enumerate(lines) if "tl.math.rsqrt(" in line)
+    tail = [re.sub(rf"\b{name}\b", f"{name}_r", line) for line in lines[after + 1:]]
+    # the two loads differ in their eviction hint (kept for the second read, then dropped),
+    # which also keeps Triton from merging them into one
+    keep = rhs.replace(", other=0)", ", other=0, eviction_policy='evict_last')")
+    drop = rhs.replace(", other=0)", ", other=0, eviction_policy='evict_first')")
+    assert keep != rhs, rhs
+    return "\n".join(lines[:first] + [f"    {name} = {keep}"] + lines[first + 1:after + 1]
+                     + [f"    {name}_r = {drop}"] + tail)
+
+
+def persistent(programs: int, stages: int = 0):
+    """A fixed grid of ``programs`` programs, each looping over rows with a stride (no block
+    launch per row); ``stages`` > 1 asks Triton's software pipeliner to load ahead."""
+    def rewrite(text):
+        lines = text.split("\n")
+        i = next(i for i, line in enumerate(lines) if line.strip().startswith("rindex = pid * XBLOCK"))
+        end = next(j for j in range(i, len(lines)) if lines[j].strip() == "" or lines[j].startswith("_COMPILED"))
+        loop = (f"tl.range(pid * XBLOCK, R, tl.num_programs(0) * XBLOCK, num_stages={stages})"
+                if stages else "range(pid * XBLOCK, R, tl.num_programs(0) * XBLOCK)")
+        body = ["    for row0 in " + loop + ":",
+                "        rindex = row0 + tl.arange(0, XBLOCK)[:, None]"]
+        body += ["    " + line for line in lines[i + 1:end]]
+        text = "\n".join(lines[:i] + body + lines[end:])
+        return text.replace("grid = (R + XBLOCK - 1) // XBLOCK",
+                            f"grid = min((R + XBLOCK - 1) // XBLOCK, {programs})")
+    return rewrite
 
 
 def const_n(n):
@@ -103,22 +149,18 @@ VARIANTS = {
         "no masks": NO_MASK,
     },
     "rmsnorm_fp8": {
+        "evict x": [EVICT_X],
         "hoist": [hoist_loads],
-        "hoist, no clamp": [hoist_loads, NO_CLAMP],
-        "hoist, no clamp, w4": [hoist_loads, NO_CLAMP, rows(1, 4)],
-        "hoist, no clamp, 2 rows w8": [hoist_loads, NO_CLAMP, rows(2, 8)],
-        "hoist, no clamp, evict x": [hoist_loads, NO_CLAMP, EVICT_X],
-        "hoist, no clamp, exact": [hoist_loads, NO_CLAMP, EXACT],
-        "hoist, no clamp, exact, w4": [hoist_loads, NO_CLAMP, EXACT, rows(1, 4)],
+        "w4": [rows(1, 4)],
+        "evict x, w4": [EVICT_X, rows(1, 4)],
+        "exact": [exact],
     },
     "rmsnorm_dynamic_fp8": {
+        "evict x": [EVICT_X],
         "hoist": [hoist_loads],
-        "hoist, no clamp": [hoist_loads, NO_CLAMP],
-        "hoist, no clamp, w4": [hoist_loads, NO_CLAMP, rows(1, 4)],
-        "hoist, no clamp, 2 rows w8": [hoist_loads, NO_CLAMP, rows(2, 8)],
-        "hoist, no clamp, evict x": [hoist_loads, NO_CLAMP, EVICT_X],
-        "hoist, no clamp, exact": [hoist_loads, NO_CLAMP, EXACT],
-        "hoist, no clamp, exact, w4": [hoist_loads, NO_CLAMP, EXACT, rows(1, 4)],
+        "w4": [rows(1, 4)],
+        "evict x, w4": [EVICT_X, rows(1, 4)],
+        "exact": [exact],
     },
 }
 

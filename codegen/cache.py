@@ -21,7 +21,7 @@ from pathlib import Path
 
 import triton
 
-from . import triton_lib
+from . import ops, triton_lib
 from .triton_lib import interpreting
 
 log = logging.getLogger("fusion_compiler")
@@ -63,7 +63,8 @@ class KernelCache:
 
     @staticmethod
     def salt() -> tuple:
-        return (CODEGEN_FINGERPRINT, triton.__version__)
+        # torch's fp8 conversion rule (saturating or not) decides what the kernels emit
+        return (CODEGEN_FINGERPRINT, triton.__version__, f"fp8-saturates={ops.FP8_SATURATES}")
 
     def load(self, key: str, make_source):
         """Module for ``key``: from memory, from disk, or built with ``make_source()``.

@@ -304,9 +304,11 @@ class Lowering:
         fused = self._one_plus_tanh(vid, op, index, preds)
         if fused is not None:
             return fused
-        args = op.args
+        args, saturate = op.args, None
         if out.dtype == torch.float8_e4m3fn and t in ops.CASTS and ref_id(args[0]) is not None:
-            args = (("ref", ops.past_saturated_clamps(self.ir, ref_id(args[0]))),) + args[1:]
+            past = ops.past_saturating_clamps(self.ir, ref_id(args[0]))
+            if past != ref_id(args[0]):
+                args, saturate = (("ref", past),) + args[1:], True
         tensors, printed = [], []
         for a in args:
             r = ref_id(a)
@@ -322,7 +324,8 @@ class Lowering:
             tensors = [p for p in printed if isinstance(p, Var)]
         if t in ops.CASTS or t == "aten.copy.default":
             src = tensors[-1]
-            return self._assign(ops.cast(src.name, src.dtype, out.dtype), out.dtype, row_level, t)
+            return self._assign(ops.cast(src.name, src.dtype, out.dtype, saturate), out.dtype,
+                                row_level, t)
         if t in ops.LOGICAL or (out.dtype == torch.bool and t in ops.BOOL_BITWISE):
             fn = ops.LOGICAL.get(t) or ops.LOGICAL[ops.BOOL_BITWISE[t]]
             names = [p.name if isinstance(p, Var) else ops.literal(p, torch.float32) for p in printed]
@@ -353,9 +356,28 @@ class Lowering:
                        else torch.tensor(p, dtype=tensors[0].dtype).item() for p in printed]
         names = [self._as(p, ct) if p is not None else None for p in printed]
         kwargs = {k: ops.literal(v, ct) for k, v in op.kwargs if isinstance(v, (int, float))}
-        expr = ops.POINTWISE[t](names, kwargs, ct)
+        expr = self._by_shared_divisor(op, printed, names, ct) or ops.POINTWISE[t](names, kwargs, ct)
         dtype = torch.bool if is_compare else out.dtype
         return self._assign(ops.cast(expr, ct, dtype) if not is_compare else expr, dtype, row_level, t)
+
+    def _by_shared_divisor(self, op, printed, names, ct):
+        """``a / b`` where ``b`` is one value per row (or per kernel): div.full.f32, which
+        Triton emits for ``/``, is (a * k) * rcp(b * k) with k a power of two that keeps b in
+        range; k and the reciprocal once per row, then two multiplies per element instead of
+        the division's three instructions. The same bits as ``/`` on the GPU; in the
+        interpreter, as ``/`` there, an exact division."""
+        if op.target != "aten.div.Tensor" or op.kwargs or ct != torch.float32:
+            return None
+        b = printed[1]
+        if not isinstance(b, Var):
+            return None
+        ref = ref_id(op.args[1])
+        scalar = ref is not None and all(d == 1 for d in self.ir.values[ref].shape)
+        if not scalar and (self.kind != "row" or b.row_level):
+            return None
+        k = self._assign(f"fl.div_scale({names[1]})", torch.float32, b.row_level)
+        r = self._assign(f"fl.div_recip({names[1]}, {k.name})", torch.float32, b.row_level)
+        return f"fl.div_shared({names[0]}, {k.name}, {r.name})"
 
     def _promote_zero_dim(self, op, printed):
         """ATen's type promotion: a 0-dim tensor next to dimensioned ones of the same kind

@@ -41,7 +41,25 @@ def row_min(x, axis: tl.constexpr):
     return tl.reduce(x, axis, min_combine)
 
 
+@triton.jit
+def div_scale(b):
+    """The power of two div.full.f32 scales a division's operands by: 1/4 for |b| > 2^126,
+    2^24 for |b| < 2^-126, else 1 (NaN: 1)."""
+    a = tl.abs(b)
+    return tl.where(a > 8.507059173023462e37, 0.25, tl.where(a < 1.1754943508222875e-38,
+                                                          16777216.0, 1.0))
+
+
 if INTERPRET:
+    @triton.jit
+    def div_recip(b, k):
+        return b    # the GPU's reciprocal cannot be reproduced here: div_shared divides by b
+
+    @triton.jit
+    def div_shared(a, k, r):
+        """a / b, with r = div_recip(b, k): exact here, as ``/`` is in the interpreter."""
+        return a / r
+
     # The interpreter truncates fp32 -> bf16; round to nearest even by hand, as the GPU does.
     @triton.jit
     def round_bf16(x):
@@ -141,6 +159,17 @@ else:
         if not SATURATE:
             x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
         return x.to(tl.float8e4nv).to(tl.float32)
+
+    @triton.jit
+    def div_recip(b, k):
+        # MUFU.RCP, as in div.full.f32 (b * k is a normal number or zero, inf, NaN)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [b * k],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def div_shared(a, k, r):
+        """a / b as div.full.f32 computes it, with k = div_scale(b), r = div_recip(b, k)."""
+        return (a * k) * r
 
     # wrapped in jit functions: Triton maps the generic libdevice module to the target's only
     # where a kernel names it

@@ -43,17 +43,24 @@ def test_fp8_conversion_random_bit_exact(device):
     assert_fp8_bits_equal(out, to_fp8(x), x)
 
 
-# A clamp to at least [-448, 448] before a saturating e4m3 conversion is left out of the kernel
-# (the conversion saturates by itself); a narrower one, a tensor bound, and a torch that does
-# not saturate keep it. Edges: ties, the saturation boundary, +-inf, NaN, signed zero.
-CLAMP_CASES = [((-448.0, 448.0), False), ((-1000.0, 600.0), False), ((None, 448.0), False),
-               ((-200.0, 448.0), True), ((-448.0, 100.5), True)]
+# A clamp to at least [-448, 448] before an e4m3 conversion is left out of the kernel, which then
+# converts with saturation; where torch's conversion does not saturate (|x| > 464 -> NaN) only
+# if the clamps also bound both sides by 464. A narrower clamp stays. Both conversion rules are
+# checked (torch 2.11 does not saturate, 2.13 does); compared with eager where the two rules
+# agree. Edges: ties, the saturation boundary, +-inf, NaN, signed zero.
+CLAMP_CASES = [  # bounds, dropped where torch saturates, dropped where it does not
+    ((-448.0, 448.0), True, True), ((-460.0, 464.0), True, True),
+    ((-1000.0, 600.0), True, False), ((None, 448.0), True, False),
+    ((-200.0, 448.0), False, False), ((-448.0, 100.5), False, False)]
 
 
-@pytest.mark.parametrize("bounds, kept", CLAMP_CASES, ids=str)
+@pytest.mark.parametrize("saturates", [True, False], ids=["saturating", "non-saturating"])
+@pytest.mark.parametrize("bounds, dropped_sat, dropped_nonsat", CLAMP_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_clamp_before_saturating_fp8_conversion(bounds, kept, dtype, device):
+def test_clamp_before_fp8_conversion(bounds, dropped_sat, dropped_nonsat, saturates, dtype,
+                                     device, monkeypatch):
     from fusion_compiler.codegen import ops
+    monkeypatch.setattr(ops, "FP8_SATURATES", saturates)
     lo, hi = bounds
 
     def quant(x, s):
@@ -66,9 +73,15 @@ def test_clamp_before_saturating_fp8_conversion(bounds, kept, dtype, device):
     s = torch.tensor(0.75, device=device)
     out, reports = compile_and_run(quant, (x, s))
     assert kernel_count(reports) == 1
-    assert_fp8_bits_equal(out.flatten(), quant(x, s).flatten(), x.flatten())
     source = _kernel_source(reports)
-    assert ("tl.minimum(" in source or "tl.maximum(" in source) == (kept or not ops.FP8_SATURATES)
+    dropped = dropped_sat if saturates else dropped_nonsat
+    assert ("tl.minimum(" not in source and "tl.maximum(" not in source) == dropped
+    if saturates == ops_saturate_in_torch() or (lo is not None and max(-lo, hi) <= 464):
+        assert_fp8_bits_equal(out.flatten(), quant(x, s).flatten(), x.flatten())
+
+
+def ops_saturate_in_torch():
+    return torch.tensor([1000.0]).to(torch.float8_e4m3fn).float().item() == 448.0
 
 
 def test_bf16_rounding_is_nearest_even(device):
@@ -232,3 +245,24 @@ def test_scalar_tensor_is_a_constant_in_the_kernel(device, dtype):
     assert not leftover_aten(reports)
     assert "aten.scalar_tensor.default" in reports[0].kernels[0]["ops"]
     assert_close(out, fn(x))
+
+
+# ------------------------------------------------- division by one value per row / per kernel
+@pytest.mark.parametrize("divisor", ["row", "scalar", "element"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_division_by_a_shared_divisor(divisor, dtype, device):
+    """x / (a row's amax) and x / (a 0-dim scale): the reciprocal is taken once per row or
+    kernel (fl.div_shared); a per-element divisor keeps the plain division. Odd shapes,
+    against eager within the dtype's tolerance."""
+    def fn(x, s):
+        if divisor == "row":
+            return x / x.abs().amax(-1, keepdim=True).clamp(min=1e-3)
+        return x / s
+
+    x = torch.randn(13, 301, device=device).to(dtype)
+    s = (torch.tensor(0.37, device=device) if divisor == "scalar"
+         else torch.rand(13, 301, device=device).to(dtype) + 0.5)
+    out, reports = compile_and_run(fn, (x, s))
+    assert kernel_count(reports) == 1
+    assert_close(out, fn(x, s), dtype)
+    assert ("fl.div_shared(" in _kernel_source(reports)) == (divisor != "element")
