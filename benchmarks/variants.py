@@ -146,21 +146,20 @@ VARIANTS = {
         "no masks, 2 rows w4": NO_MASK + [rows(2, 4)],
     },
     "add_rmsnorm": {
-        "no masks": NO_MASK,
+        "w4": [rows(1, 4)],
     },
     "rmsnorm_fp8": {
-        "evict x": [EVICT_X],
-        "hoist": [hoist_loads],
         "w4": [rows(1, 4)],
-        "evict x, w4": [EVICT_X, rows(1, 4)],
-        "exact": [exact],
+        "w2": [rows(1, 2)],
+        "evict x": [EVICT_X],
+        "w16": [rows(1, 16)],
     },
     "rmsnorm_dynamic_fp8": {
-        "evict x": [EVICT_X],
-        "hoist": [hoist_loads],
         "w4": [rows(1, 4)],
+        "w2": [rows(1, 2)],
         "evict x, w4": [EVICT_X, rows(1, 4)],
-        "exact": [exact],
+        "2 rows w8": [rows(2, 8)],
+        "w16": [rows(1, 16)],
     },
 }
 

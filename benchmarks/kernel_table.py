@@ -1,0 +1,62 @@
+"""Where each backend's GPU time goes, kernel by kernel, for one model call (GPU).
+
+    python benchmarks/kernel_table.py examples/gpt2.py:bench_8x512 [--backends inductor fusion]
+
+For each backend: one profiled call after warm-up (torch.profiler, CUDA activity), the CUDA
+kernels grouped by name with their count and total GPU time, the largest first, and the call's
+wall time (host) beside the sum of kernel times (GPU busy). ``bench --breakdown`` sorts the same
+profile into categories; this shows the kernels themselves (which attention kernel SDPA picked,
+which GEMMs, which fused kernels).
+"""
+import argparse
+import collections
+import time
+
+import torch
+
+from fusion_compiler.cli import load_factory
+
+
+def table(target: str, backend: str, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
+    f = model if backend == "eager" else torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(5):
+            f(*inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            f(*inputs)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 20 * 1e6
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            f(*inputs)
+            torch.cuda.synchronize()
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels[e.name[:90]]
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    busy = sum(v[1] for v in kernels.values())
+    print(f"\n== {target} / {backend}: {wall:.0f} us per call (host, 20 calls), "
+          f"{busy:.0f} us of kernels, {sum(v[0] for v in kernels.values())} kernels", flush=True)
+    for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {us:8.1f} us {n:4d}x  {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("target")
+    ap.add_argument("--backends", nargs="+", default=["eager", "inductor", "fusion"])
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args()
+    for b in a.backends:
+        table(a.target, b, a.top)
+
+
+if __name__ == "__main__":
+    main()
