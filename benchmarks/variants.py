@@ -149,12 +149,14 @@ VARIANTS = {
         "w4": [rows(1, 4)],
     },
     "rmsnorm_fp8": {
+        "const N": [const_n(4096)],
         "w4": [rows(1, 4)],
         "w2": [rows(1, 2)],
         "evict x": [EVICT_X],
         "w16": [rows(1, 16)],
     },
     "rmsnorm_dynamic_fp8": {
+        "const N": [const_n(4096)],
         "w4": [rows(1, 4)],
         "w2": [rows(1, 2)],
         "evict x, w4": [EVICT_X, rows(1, 4)],

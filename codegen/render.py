@@ -313,7 +313,13 @@ _RED_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}
 def _row_phases(lk, stmt_lines, persistent):
     lines = []
     if persistent:
-        lines += ["cols = tl.arange(0, RBLOCK)[None, :]", "cmask = cols < N", "mask = rmask & cmask"]
+        # a static row length as a literal: where it fills the block (4096 of 4096) Triton
+        # drops the column masks, their selects and predicates (~2 instructions per element of
+        # the FP8 quant kernels, 11-13% of their SASS); otherwise the same compare
+        n = lk.shape[-1]
+        bound = _py(n) if sympy.sympify(n).is_Integer else "N"
+        lines += ["cols = tl.arange(0, RBLOCK)[None, :]", f"cmask = cols < {bound}",
+                  "mask = rmask & cmask"]
     for ph in lk.phases:
         for stmt in ph.outer:
             lines += stmt_lines(stmt)
