@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from ..codegen import precompile
+from ..codegen import autotune, precompile
 from ..codegen.kernel_ir import NotFusable, canonical_hints
 from ..codegen.launch import LEAN
 from ..codegen.render import generate
@@ -55,6 +55,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                             "ops": [str(n.target) for n in g.members], "runs": runs})
     if LEAN and ctx.config.compile_threads > 0:
         _compile_kernels(ctx)
+    if LEAN and ctx.config.autotune > 0:
+        tuned = autotune.tune(ctx)
+        if tuned:
+            log.info("fusion-compiler: %d kernels run with tuned launch settings", tuned)
     return gm
 
 
