@@ -164,37 +164,49 @@ def tune(ctx, time_fn=None, count=None) -> int:
     keys = {k["group"]: k for k in ctx.kernels}
     changed = 0
     for g in ranked[:count]:
-        launch = ctx.launchers[g.id]
-        module = launch.func.__globals__
-        kind = _kind(module)
-        if kind is None:
-            continue
-        calls = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
-        if len(calls) != 1:
-            continue
-        sizes = _sizes(kind, calls[0])
-        rule = (L.row_settings(*sizes, ctx.config.max_persistent_block) if kind == "row"
-                else L.pointwise_settings(sizes))
-        if kind == "row" and rule[2]:
-            continue                        # looped kernels: settings are not their limit
-        table = module.get("_TUNED", {})
-        key = _disk_key(keys[g.id]["key"], sizes, launch.args[0])
-        record = _load(ctx.config.cache_dir, key)
-        if record is None:
-            # compile time runs under aot_autograd's fake tensor mode: real tensors here
-            with unset_fake_temporarily(), torch.no_grad():
-                record = _measure(ctx, g, launch, module, kind, sizes, rule, table, time_fn)
-            if record is None:
-                continue
-            _save(ctx.config.cache_dir, key, record)
-        best = tuple(record["settings"])
-        if best != tuple(rule):
-            table[sizes] = best
-            _override(module, kind, table)
-            changed += 1
-        keys[g.id]["tuned"] = {"sizes": sizes, "rule": list(rule), "settings": list(best),
-                               "us": record.get("us", {})}
+        try:
+            changed += _tune_one(ctx, g, keys[g.id], time_fn)
+        except Exception as exc:    # noqa: BLE001 - the rule's settings stay: still correct
+            if ctx.config.strict:
+                raise
+            log.warning("fusion-compiler: autotuning group %s failed (%s: %s); it keeps the "
+                        "default launch settings", g.id, type(exc).__name__, exc)
     return changed
+
+
+def _tune_one(ctx, g, kernel: dict, time_fn) -> int:
+    """Tune one group's launcher; 1 if its settings now differ from the rule's."""
+    launch = ctx.launchers[g.id]
+    module = launch.func.__globals__
+    kind = _kind(module)
+    if kind is None:
+        return 0
+    calls = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
+    if len(calls) != 1:
+        return 0
+    sizes = _sizes(kind, calls[0])
+    rule = (L.row_settings(*sizes, ctx.config.max_persistent_block) if kind == "row"
+            else L.pointwise_settings(sizes))
+    if kind == "row" and rule[2]:
+        return 0                        # looped kernels: settings are not their limit
+    table = module.get("_TUNED", {})
+    key = _disk_key(kernel["key"], sizes, launch.args[0])
+    record = _load(ctx.config.cache_dir, key)
+    if record is None:
+        # compile time runs under aot_autograd's fake tensor mode: real tensors here
+        with unset_fake_temporarily(), torch.no_grad():
+            record = _measure(ctx, g, launch, module, kind, sizes, rule, table, time_fn)
+        if record is None:
+            return 0
+        _save(ctx.config.cache_dir, key, record)
+    best = tuple(record["settings"])
+    kernel["tuned"] = {"sizes": sizes, "rule": list(rule), "settings": list(best),
+                       "us": record.get("us", {})}
+    if best == tuple(rule):
+        return 0
+    table[sizes] = best
+    _override(module, kind, table)
+    return 1
 
 
 def _measure(ctx, g, launch, module, kind, sizes, rule, table, time_fn) -> dict | None:

@@ -133,6 +133,25 @@ def test_pointwise_kernel_tuned_and_bounded(monkeypatch, cache_dir):
     assert not timed
 
 
+def test_a_failed_tuning_keeps_the_rule(monkeypatch, cache_dir, caplog):
+    """A setting that cannot be timed (here: the timer fails) leaves the kernel on the rule's
+    settings with a warning; the model still runs, with eager's numbers."""
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
+
+    def broken(call, settings):
+        raise RuntimeError("no timer")
+    seen = _tuning(monkeypatch, broken)
+    x, w = torch.randn(9, 70), torch.randn(70)
+    with caplog.at_level("WARNING", logger="fusion_compiler"):
+        out, reports = compile_and_run(rmsnorm, (x, w))
+    assert kernel_count(reports) == 1
+    assert_close(out, rmsnorm(x, w))
+    (ctx,) = seen
+    (launch,) = ctx.launchers.values()
+    assert launch.func.__globals__["row_settings"] is L.row_settings
+    assert "keeps the default launch settings" in caplog.text
+
+
 @pytest.mark.gpu
 def test_autotune_on_the_gpu(monkeypatch, tmp_path):
     """Real timing: the tuned graph computes eager's numbers, the choice is stored, and a warm
