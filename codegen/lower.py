@@ -216,6 +216,8 @@ class Lowering:
             return self._as_strided(args, index, preds)
         if t == "aten.cat.default":
             return self._cat(vid, args, kw, index, preds)
+        if t == "aten.constant_pad_nd.default":
+            return self._pad(vid, args, kw, index, preds)
         if t in ("aten.full_like.default", "aten.scalar_tensor.default"):
             # constants: args (value,); shape and dtype are the IR value's
             return self._assign(f"tl.full([1], {self._as(args[0], out.dtype)}, "
@@ -268,6 +270,36 @@ class Lowering:
                                               for pr, v in parts)
         var = Var(self._name("v"), out.dtype, row_level)
         self._emit_to(row_level, ("select", var, parts))
+        return var
+
+    def _pad(self, vid, args, kw, index, preds):
+        """constant_pad_nd as index arithmetic: the input read under the predicate of its range,
+        the pad value elsewhere (one kernel where ATen fills the output, then copies into it)."""
+        out = self.ir.values[vid]
+        src = ref_id(args[0])
+        pads = list(args[1])
+        value = args[2] if len(args) > 2 else kw.get("value", 0)
+        if any(not isinstance(p, int) or p < 0 for p in pads) or not isinstance(value, (int, float)):
+            raise NotFusable("constant_pad_nd with negative or symbolic pads, or a tensor value")
+        shape = self.ir.values[src].shape
+        sub, pred = list(index), set()
+        for i in range(len(pads) // 2):
+            d = len(shape) - 1 - i
+            before, after = pads[2 * i], pads[2 * i + 1]
+            if before:
+                pred.add(sympy.Ge(index[d], before))
+                sub[d] = index[d] - before
+            if after:
+                pred.add(sympy.Lt(index[d], before + shape[d]))
+        if not pred:
+            return self.value(src, tuple(index), preds)
+        inside = self.value(src, tuple(sub), preds | frozenset(pred))
+        fill = self._assign(f"tl.full([1], {self._as(value, out.dtype)}, "
+                            f"{ops.reg_dtype(out.dtype)})", out.dtype, self.kind != "row")
+        row_level = self.kind != "row" or inside.row_level or any(p.has(COL) for p in pred)
+        var = Var(self._name("v"), out.dtype, row_level)
+        self._emit_to(row_level, ("select", var, [(frozenset(pred), inside),
+                                                  (frozenset(), fill)]))
         return var
 
     def _one_plus_tanh(self, vid, op: IROp, index, preds):

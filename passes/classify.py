@@ -63,6 +63,7 @@ OP_KINDS: dict = {
     **{op: OpKind.REDUCTION for op in _REDUCTION},
     aten.expand.default: OpKind.BROADCAST,
     aten.cat.default: OpKind.INJECTIVE,
+    aten.constant_pad_nd.default: OpKind.INJECTIVE,
 }
 
 # Tensor dtypes a generated kernel can load, compute on and store.

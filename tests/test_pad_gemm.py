@@ -88,3 +88,40 @@ def test_lm_head_on_the_gpu(dtype, caplog):
     expected = fn(x, w)
     assert out.stride() == expected.stride()
     assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------ constant_pad_nd in a kernel (the padded copies)
+PADS = [((37, 300), (0, 4)), ((37, 300), (0, 4, 0, 3)), ((5, 7, 9), (2, 1, 0, 0, 1, 1)),
+        ((300,), (3, 0)), ((8, 50), (0, 0))]
+
+
+@pytest.mark.parametrize("shape, pads", PADS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_constant_pad_is_one_kernel(shape, pads, dtype, device):
+    """A pad (the copies pad_gemm adds: ATen fills the output, then copies into it) is one
+    kernel with its neighbours: here the input's scaling before and an add after. Pad value
+    zero and not, odd shapes; the values are eager's."""
+    from helpers import kernel_count
+
+    def fn(x, y):
+        return F.pad(x * 2.0, pads, value=0.0) + 1.0, F.pad(y, pads, value=-1.5)
+
+    x = torch.randn(shape, device=device).to(dtype)
+    y = torch.randn(shape, device=device).to(dtype)
+    out, reports = compile_and_run(fn, (x, y))
+    for i, (a, e) in enumerate(zip(out, fn(x, y))):
+        assert_close(a, e, dtype, name=f"output {i}")
+    assert 1 <= kernel_count(reports) <= 2
+    assert not {op for op in leftover_aten(reports) if "pad" in op}
+
+
+def test_negative_pad_stays_on_aten(device):
+    """A negative pad crops: not lowered (NotFusable), so the pad runs on ATen and the rest
+    still fuses; the values are eager's."""
+    def fn(x):
+        return F.pad(x * 2.0, (1, -2)) * 3.0
+
+    x = torch.randn(6, 9, device=device)
+    out, reports = compile_and_run(fn, (x,))
+    assert_close(out, fn(x))
+    assert any("pad" in op for op in leftover_aten(reports)), leftover_aten(reports)

@@ -156,6 +156,8 @@ def _sm90_cases():
     cases.append(("rope q and k (two parts)", lambda q, k, c, s: (rope(q, c, s), rope(k, c, s)),
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(9, 16),
                    torch.randn(9, 16)), {}))
+    cases.append(("constant pad", lambda x: torch.nn.functional.pad(x * 2.0, (0, 3, 0, 2)) + 1.0,
+                  (torch.randn(7, 29, dtype=torch.bfloat16),), {}))
     cases.append(("attention inputs (three parts)", gqa_attention,
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                    torch.randn(9, 16), torch.randn(9, 16)), {}))
