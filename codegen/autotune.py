@@ -70,7 +70,7 @@ def candidates(kind: str, rule: tuple) -> list:
 def _kind(module: dict) -> str | None:
     if "_persistent_kernel" in module:
         return "row"
-    if "_pointwise_kernel" in module and "_multipart_kernel" not in module:
+    if "_pointwise_kernel" in module:           # multi-part modules name theirs _partN
         return "pointwise"
     return None
 

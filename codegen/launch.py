@@ -17,9 +17,6 @@ LOOPED_RBLOCK = 2048        # columns per loop step of a looped row kernel
 ROW_ELEMS = 2048            # elements a persistent row program aims to hold (rows x RBLOCK);
                             # softmax rows of 1024 on the H200: 2 rows, 4 warps 101% of the
                             # floor, 4 rows, 8 warps 98%
-ROW_4096_WARPS = 4          # rows of 4096 on the H200 (16384 rows, do_bench, same run): 4 warps
-                            # against 8: add+RMSNorm 96.0% of the floor against 94.2%, RMSNorm+
-                            # FP8 89.4 / 88.1, dynamic FP8 84.2 / 81.5 (benchmarks/variants.py)
 POINTWISE_BLOCK = 2048      # bias+GELU 16384 x 11008 on the H200: 91% of the floor at 1024, 97%
 
 
@@ -28,12 +25,14 @@ def _next_pow2(n: int) -> int:
 
 
 def _warps(elems: int) -> int:
+    """Warps of a row program holding ``elems`` (a power of two) elements. 4096 on 4 warps, not
+    8: rows of 4096 on the H200 (16384 rows, do_bench, same run) ran add+RMSNorm at 96.0% of
+    the floor against 94.2%, RMSNorm+FP8 89.4 / 88.1, dynamic FP8 84.2 / 81.5
+    (benchmarks/variants.py)."""
     if elems >= 32768:
         return 32
     if elems >= 8192:
         return 16
-    if elems >= 4096:
-        return 8
     if elems >= 512:
         return 4
     return 2
@@ -46,8 +45,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int):
     if rblock > max_persistent_block:
         return 1, LOOPED_RBLOCK, True, 8
     xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
-    elems = xblock * rblock
-    return xblock, rblock, False, ROW_4096_WARPS if elems == 4096 else _warps(elems)
+    return xblock, rblock, False, _warps(xblock * rblock)
 
 
 @functools.lru_cache(maxsize=1024)

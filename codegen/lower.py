@@ -219,9 +219,7 @@ class Lowering:
         if t == "aten.constant_pad_nd.default":
             return self._pad(vid, args, kw, index, preds)
         if t in ("aten.full_like.default", "aten.scalar_tensor.default"):
-            # constants: args (value,); shape and dtype are the IR value's
-            return self._assign(f"tl.full([1], {self._as(args[0], out.dtype)}, "
-                                f"{ops.reg_dtype(out.dtype)})", out.dtype, self.kind != "row")
+            return self._constant(args[0], out.dtype)  # shape and dtype: the IR value's
         return self._pointwise(vid, op, index, preds)
 
     def _reduction_value(self, vid, index):
@@ -266,11 +264,20 @@ class Lowering:
             v = self.value(ref_id(a), sub, preds | frozenset(pred))
             parts.append((frozenset(pred), v))
             lo = lo + size
+        return self._select(out.dtype, parts)
+
+    def _select(self, dtype, parts) -> Var:
+        """A value chosen among ``parts`` ((predicates, value) pairs: the first whose predicates
+        hold; the last one's are not tested)."""
         row_level = self.kind != "row" or any(v.row_level or any(p.has(COL) for p in pr)
                                               for pr, v in parts)
-        var = Var(self._name("v"), out.dtype, row_level)
+        var = Var(self._name("v"), dtype, row_level)
         self._emit_to(row_level, ("select", var, parts))
         return var
+
+    def _constant(self, value, dtype) -> Var:
+        return self._assign(f"tl.full([1], {self._as(value, dtype)}, {ops.reg_dtype(dtype)})",
+                            dtype, self.kind != "row")
 
     def _pad(self, vid, args, kw, index, preds):
         """constant_pad_nd as index arithmetic: the input read under the predicate of its range,
@@ -294,13 +301,8 @@ class Lowering:
         if not pred:
             return self.value(src, tuple(index), preds)
         inside = self.value(src, tuple(sub), preds | frozenset(pred))
-        fill = self._assign(f"tl.full([1], {self._as(value, out.dtype)}, "
-                            f"{ops.reg_dtype(out.dtype)})", out.dtype, self.kind != "row")
-        row_level = self.kind != "row" or inside.row_level or any(p.has(COL) for p in pred)
-        var = Var(self._name("v"), out.dtype, row_level)
-        self._emit_to(row_level, ("select", var, [(frozenset(pred), inside),
-                                                  (frozenset(), fill)]))
-        return var
+        return self._select(out.dtype, [(frozenset(pred), inside),
+                                        (frozenset(), self._constant(value, out.dtype))])
 
     def _one_plus_tanh(self, vid, op: IROp, index, preds):
         """``1 + tanh(u)`` (GELU's tanh form) as ``2 / (1 + exp(-2u))``: the same value in

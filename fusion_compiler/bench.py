@@ -115,9 +115,14 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
         with torch.no_grad() if mode == "inference" else _null():
             return step(*a)
     ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+
+    def count():
+        # in the timed calls' grad mode: grad mode is in Dynamo's guards, so a count with grad
+        # on recompiled (Inductor: ~2640 CUDA kernels counted against 138)
+        with torch.no_grad() if mode == "inference" else _null():
+            return kernels_per_call(step, args)
     torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad() if mode == "inference" else _null():
-        launches = kernels_per_call(step, args)
+    launches = count()
     # what earlier backends' compiled code still holds (CUDA graph pools) is not this one's
     earlier = 0 if held_at_start is None else held_before - held_at_start
     peak = torch.cuda.max_memory_allocated() - earlier
@@ -133,13 +138,7 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
         # a pattern's floor (inference) is its fused kernels' floor when they do all its work
         whole = "floor_ms" in row and mode == "inference" and BD.all_fused(kernels)
         row["breakdown"] = BD.summarize(kernels, row["floor_ms"] * 1e3 if whole else None)
-
-    def check():
-        # in the timed calls' grad mode: grad mode is in Dynamo's guards, so a check with grad
-        # on recompiled (Inductor: ~2640 CUDA kernels counted against 138) and was discarded
-        with torch.no_grad() if mode == "inference" else _null():
-            return kernels_per_call(step, args)
-    row["_check"] = check
+    row["_check"] = count
     return row, out, call
 
 
