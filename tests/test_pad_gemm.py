@@ -58,6 +58,39 @@ def test_linear_with_unaligned_columns_and_inner_dim(bias):
     assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_result_that_only_leaves_the_graph_is_not_copied(dtype):
+    """GPT-2's logits: the GEMM's result goes to the output through a view only, so the caller
+    gets the cut view (rows N' apart) and no clone runs; values and stride order are eager's."""
+    x = torch.randn(2, 511, 765).to(dtype)
+    w = (torch.randn(1003, 765) * 0.05).to(dtype)
+    fn = lambda x, w: F.linear(x, w)
+    count, gm, out = _padded(fn, (x, w))
+    assert count == 1
+    assert aten.clone.default not in _targets(gm)
+    expected = fn(x, w)
+    wide = 1004 if dtype == torch.float32 else 1008
+    assert out.shape == expected.shape
+    assert out.stride() == (511 * wide, wide, 1)
+    assert_close(out, expected, dtype)
+    # the graph's recorded layout says the same as what it returns
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    assert output.args[0][0].meta["val"].stride() == out.stride()
+    # and the view merges back as eager's does
+    assert_close(out.view(-1, 1003), expected.view(-1, 1003), dtype)
+
+
+def test_a_result_with_other_users_keeps_its_layout():
+    """Returned and also used (here by a softmax): the clone stays, one contiguous copy."""
+    x, w = torch.randn(1024, 765), torch.randn(1003, 765)
+    fn = lambda x, w: (lambda y: (y, y.softmax(-1)))(F.linear(x, w))
+    count, gm, out = _padded(fn, (x, w))
+    assert count == 1 and aten.clone.default in _targets(gm)
+    for a, e in zip(out, fn(x, w)):
+        assert a.stride() == e.stride()
+        assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
 def test_aligned_small_and_gpu_only_gemms_are_left_alone():
     x, w = torch.randn(1024, 768), torch.randn(1024, 768)
     assert _padded(lambda x, w: x @ w.t(), (x, w))[0] == 0               # aligned
@@ -86,7 +119,8 @@ def test_lm_head_on_the_gpu(dtype, caplog):
     assert "padded GEMM [2000, 768] @ [768, 50257] to [2000, 768] @ [768, 50264]" in caplog.text
     assert "aten.mm.default" in leftover_aten(reports)
     expected = fn(x, w)
-    assert out.stride() == expected.stride()
+    # the logits only leave the graph: the cut view, no copy (as Inductor returns them)
+    assert out.stride() == (1000 * 50264, 50264, 1)
     assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
