@@ -1,25 +1,23 @@
-"""Host time per node of fusion's compiled Llama 1 x 128 inference graph (GPU).
+"""Host time per node of fusion's compiled inference graph (GPU; Llama 1 x 128 by default).
 
-    python benchmarks/host_per_node.py
+    python benchmarks/host_per_node.py [TARGET]      (TARGET as for `dump`)
 
 Prints the whole call's time, the number of call nodes in the compiled graph, the host time
 of each kind of node (median over 25 runs of an FX interpreter that times each call; the
 interpreter's own overhead inflates these), single-op host costs for comparison, and the host
 and GPU time of each SDPA backend at 1 x 128 and 4 x 1024.
 """
+import argparse
 import collections
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from llama import bench_1x128  # noqa: E402
-
-from fusion_compiler import backend as B  # noqa: E402
+from fusion_compiler import backend as B
+from fusion_compiler.cli import load_factory
 
 
 def per_call(fn, n=100):
@@ -34,6 +32,9 @@ def per_call(fn, n=100):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("target", nargs="?", default="examples/llama.py:bench_1x128")
+    target = ap.parse_args().target
     captured = {}
     compile_aten_graph = B.compile_aten_graph
 
@@ -46,15 +47,15 @@ def main():
             return new(*args)
         return call
     B.compile_aten_graph = spy
-    model, (ids,) = bench_1x128(device="cuda")
+    model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
     model.eval()
     with torch.no_grad():
         f = torch.compile(model, backend="fusion")
-        f(ids)
+        f(*inputs)
         gm, args = captured["gm"], captured["args"]
-        print(f"full compiled call {per_call(lambda: f(ids)):.0f} us; graph module alone "
-              f"{per_call(lambda: gm(*args)):.0f} us; "
-              f"eager {per_call(lambda: model(ids)):.0f} us")
+        print(f"{target}: full compiled call {per_call(lambda: f(*inputs)):.0f} us; graph module "
+              f"alone {per_call(lambda: gm(*args)):.0f} us; "
+              f"eager {per_call(lambda: model(*inputs)):.0f} us")
         times = collections.defaultdict(list)
 
         class Timed(torch.fx.Interpreter):
@@ -86,7 +87,17 @@ def main():
         w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(128, 2048, device="cuda", dtype=torch.bfloat16)
         empty = torch._C._dynamo.guards._empty_strided_cuda
-        for name, fn in [("torch.mm", lambda: torch.mm(x, w)),
+        reinterpret = torch._C._dynamo.guards._reinterpret_tensor
+        v = x.view(1, 128, 16, 128)
+        for name, fn in [("view+permute", lambda: x.view(1, 128, 16, 128).permute(0, 2, 1, 3)),
+                         ("torch.as_strided", lambda: torch.as_strided(
+                             x, (1, 16, 128, 128), (262144, 128, 2048, 1), 0)),
+                         ("aten.as_strided.default", lambda: torch.ops.aten.as_strided.default(
+                             x, (1, 16, 128, 128), (262144, 128, 2048, 1), 0)),
+                         ("_reinterpret_tensor", lambda: reinterpret(
+                             x, (1, 16, 128, 128), (262144, 128, 2048, 1), 0)),
+                         ("permute of a view", lambda: v.permute(0, 2, 1, 3)),
+                         ("torch.mm", lambda: torch.mm(x, w)),
                          ("torch.mm out=", lambda: torch.mm(x, w, out=out)),
                          ("aten.mm.default", lambda: torch.ops.aten.mm.default(x, w)),
                          ("x.view", lambda: x.view(1, 128, 2048)),

@@ -1,6 +1,6 @@
 """Autotuning of launch settings (codegen/autotune.py). On the CPU the kernels run in Triton's
 interpreter, where settings do not change the time, so a stand-in timer decides which setting
-is fastest; what is checked is the mechanism: the candidates, the bound, the choice applied to
+is fastest (on a GPU host too: these tests run there on the GPU); what is checked is the mechanism: the candidates, the bound, the choice applied to
 the launcher at the tuned sizes only, the numbers still eager's, and the choice read back from
 disk on a warm compile with nothing timed. The GPU test times for real."""
 import json
@@ -49,7 +49,7 @@ def _tuning(monkeypatch, time_fn, count=1):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_row_kernel_takes_the_fastest_warps_and_caches_them(dtype, monkeypatch, cache_dir):
+def test_row_kernel_takes_the_fastest_warps_and_caches_them(dtype, monkeypatch, cache_dir, device):
     timed = []
 
     def two_warps_fastest(call, settings):
@@ -57,8 +57,8 @@ def test_row_kernel_takes_the_fastest_warps_and_caches_them(dtype, monkeypatch, 
         timed.append(settings)
         return 0.5e-3 if settings[-1] == 2 else 1e-3
     seen = _tuning(monkeypatch, two_warps_fastest)
-    x = torch.randn(37, 300, dtype=dtype)
-    w = torch.randn(300, dtype=dtype)
+    x = torch.randn(37, 300, dtype=dtype, device=device)
+    w = torch.randn(300, dtype=dtype, device=device)
     out, reports = compile_and_run(rmsnorm, (x, w))
     assert kernel_count(reports) == 1
     assert_close(out, rmsnorm(x, w), dtype)
@@ -74,7 +74,7 @@ def test_row_kernel_takes_the_fastest_warps_and_caches_them(dtype, monkeypatch, 
     (stored,) = (ctx.config.cache_dir / "autotune").glob("*.json")
     assert json.loads(stored.read_text())["settings"] == [4, 512, False, 2]
     # the tuned settings compute the same numbers on other inputs
-    x2 = torch.randn(37, 300, dtype=dtype)
+    x2 = torch.randn(37, 300, dtype=dtype, device=device)
     assert_close(torch.compile(rmsnorm, backend="fusion")(x2, w), rmsnorm(x2, w), dtype)
 
     # warm: read from disk, nothing timed
@@ -86,12 +86,12 @@ def test_row_kernel_takes_the_fastest_warps_and_caches_them(dtype, monkeypatch, 
     assert_close(out, rmsnorm(x, w), dtype)
 
 
-def test_no_change_unless_clearly_faster(monkeypatch, cache_dir):
+def test_no_change_unless_clearly_faster(monkeypatch, cache_dir, device):
     """A setting within MARGIN of the rule's is noise: the rule stays, and the module keeps
     calling the rule itself."""
     seen = _tuning(monkeypatch, lambda call, s: 1e-3 * (0.99 if s[-1] == 8 else 1.0))
-    x = torch.randn(6, 1000)
-    compile_and_run(bias_gelu, (x, torch.randn(1000)))
+    x = torch.randn(6, 1000, device=device)
+    compile_and_run(bias_gelu, (x, torch.randn(1000, device=device)))
     (ctx,) = seen
     (launch,) = ctx.launchers.values()
     assert launch.func.__globals__["pointwise_settings"] is L.pointwise_settings
@@ -99,7 +99,7 @@ def test_no_change_unless_clearly_faster(monkeypatch, cache_dir):
     assert kernel["tuned"]["settings"] == kernel["tuned"]["rule"]
 
 
-def test_pointwise_kernel_tuned_and_bounded(monkeypatch, cache_dir):
+def test_pointwise_kernel_tuned_and_bounded(monkeypatch, cache_dir, device):
     """Two graphs' worth of kernels, count=1: only the one moving the most bytes is timed; a
     kernel below MIN_BYTES or with integer inputs is never timed."""
     timed = []
@@ -112,7 +112,7 @@ def test_pointwise_kernel_tuned_and_bounded(monkeypatch, cache_dir):
 
     def two_kernels(x, b, y):
         return bias_gelu(x, b), y.softmax(-1)
-    x, b, y = torch.randn(64, 1000), torch.randn(1000), torch.randn(3, 50)
+    x, b, y = (torch.randn(s, device=device) for s in [(64, 1000), (1000,), (3, 50)])
     out, reports = compile_and_run(two_kernels, (x, b, y))
     assert kernel_count(reports) == 2
     assert_close(out[0], bias_gelu(x, b))
@@ -125,15 +125,15 @@ def test_pointwise_kernel_tuned_and_bounded(monkeypatch, cache_dir):
     timed.clear()
     monkeypatch.setattr(autotune, "MIN_BYTES", 1 << 40)
     torch._dynamo.reset()
-    compile_and_run(lambda a: a * 2 + 1, (torch.randn(33, 17),))
+    compile_and_run(lambda a: a * 2 + 1, (torch.randn(33, 17, device=device),))
     assert not timed
     monkeypatch.setattr(autotune, "MIN_BYTES", 0)
     torch._dynamo.reset()
-    compile_and_run(lambda a: (a * 3 + 1) % 7, (torch.randint(0, 100, (33, 17)),))
+    compile_and_run(lambda a: (a * 3 + 1) % 7, (torch.randint(0, 100, (33, 17), device=device),))
     assert not timed
 
 
-def test_a_failed_tuning_keeps_the_rule(monkeypatch, cache_dir, caplog):
+def test_a_failed_tuning_keeps_the_rule(monkeypatch, cache_dir, caplog, device):
     """A setting that cannot be timed (here: the timer fails) leaves the kernel on the rule's
     settings with a warning; the model still runs, with eager's numbers."""
     monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
@@ -141,7 +141,7 @@ def test_a_failed_tuning_keeps_the_rule(monkeypatch, cache_dir, caplog):
     def broken(call, settings):
         raise RuntimeError("no timer")
     seen = _tuning(monkeypatch, broken)
-    x, w = torch.randn(9, 70), torch.randn(70)
+    x, w = torch.randn(9, 70, device=device), torch.randn(70, device=device)
     with caplog.at_level("WARNING", logger="fusion_compiler"):
         out, reports = compile_and_run(rmsnorm, (x, w))
     assert kernel_count(reports) == 1

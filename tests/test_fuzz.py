@@ -611,8 +611,10 @@ def error_bound(prog: Program, vals: dict) -> dict:
             if ea + ec > 0:
                 # where the comparison's operands may differ by enough to flip it, the
                 # result takes the other branch: the drift there is |a - y|
-                cc = c.double() if c is not None else torch.tensor(op.params["c_scalar"])
-                other = yv.double() if yv is not None else torch.tensor(op.params["y_scalar"])
+                cc = c.double() if c is not None else torch.tensor(op.params["c_scalar"],
+                                                                     device=y.device)
+                other = yv.double() if yv is not None else torch.tensor(op.params["y_scalar"],
+                                                                        device=y.device)
                 flip = torch.broadcast_to((a.double() - cc).abs() <= ea + ec, y.shape)
                 diff = (torch.broadcast_to(a.double(), y.shape)
                         - torch.broadcast_to(other, y.shape)).abs()[flip]
