@@ -103,3 +103,106 @@ def test_calls_with_other_keywords_keep_their_overload():
     x = torch.randn(1, 3)
     expanded, viewed = gm(x)
     assert torch.equal(expanded, x.expand(2, 3)) and torch.equal(viewed, x.view(3))
+
+
+def _compiled_graph(monkeypatch, fn, args):
+    graphs = []
+    compile_aten_graph = backend.compile_aten_graph
+    monkeypatch.setattr(backend, "compile_aten_graph",
+                        lambda gm, kind, config: graphs.append(compile_aten_graph(gm, kind, config)) or graphs[-1])
+    with torch.no_grad():
+        out, reports = compile_and_run(fn, args)
+    (gm,) = graphs
+    return out, reports, gm
+
+
+def _view_chains_left(gm):
+    """Views whose input is itself a view, outside the chains that end in graph outputs."""
+    views = set(fast_calls.CHAIN_VIEWS) | {fast_calls.FAST[op][0] for op in fast_calls.FAST
+                                           if op in fast_calls.CHAIN_VIEWS}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    kept = set()
+    todo = list(output.all_input_nodes)
+    while todo:                             # the chains that end in outputs
+        n = todo.pop()
+        if n.op == "call_function" and n.target in views:
+            kept.add(n)
+            todo.append(n.args[0])
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in views
+            and n not in kept and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0].op == "call_function" and n.args[0].target in views]
+
+
+def attention_block(x, w_qkv, b_qkv, w_o, y):
+    """GPT-2's attention layout: one GEMM for q, k and v, split and reshaped into heads, SDPA,
+    heads merged back, a GEMM; then a residual add (fused)."""
+    bsz, seq, dim = x.shape
+    qkv = torch.addmm(b_qkv, x.view(-1, dim), w_qkv).view(bsz, seq, 3 * dim)
+    q, k, v = qkv.split(dim, dim=2)
+    heads = lambda t: t.view(bsz, seq, 4, dim // 4).permute(0, 2, 1, 3)
+    a = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v),
+                                                         is_causal=True)
+    a = a.permute(0, 2, 1, 3).reshape(bsz, seq, dim).view(-1, dim)
+    return (a @ w_o).view(bsz, seq, dim) * 0.5 + y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chains_of_views_are_one_call(monkeypatch, device, dtype):
+    """q, k and v's split-and-permute and the merge after attention: each chain is one
+    ``_reinterpret_tensor`` call from its root (the GEMM, the attention output); the numbers are
+    eager's."""
+    args = [torch.randn(2, 13, 24, device=device, dtype=dtype),
+            torch.randn(24, 72, device=device, dtype=dtype) * 0.2,
+            torch.randn(72, device=device, dtype=dtype),
+            torch.randn(24, 24, device=device, dtype=dtype) * 0.2,
+            torch.randn(2, 13, 24, device=device, dtype=dtype)]
+    out, reports, gm = _compiled_graph(monkeypatch, attention_block, args)
+    with torch.no_grad():
+        assert_close(out, attention_block(*args), dtype=dtype)
+    assert kernel_count(reports) == 1
+    calls = [n for n in gm.graph.nodes if n.target is fast_calls.REINTERPRET]
+    assert len(calls) >= 4, gm.code                 # q, k, v and the merged heads
+    assert not _view_chains_left(gm), gm.code
+
+
+def test_view_chains_from_an_offset_input_and_to_an_output(monkeypatch, device):
+    """A chain's offset is taken relative to its root's own (an input that is a slice of a
+    larger tensor); a chain that ends in a graph output keeps its views."""
+    def fn(x, w):
+        y = x[1:].view(4, 6)[:, 1:].t()             # read by a GEMM: a chain of views
+        return torch.mm(y, w), x.view(5, 5).t().unsqueeze(0)
+
+    base = torch.randn(30, device=device)
+    x = base[5:]                                    # storage offset 5
+    w = torch.randn(4, 3, device=device)
+    out, _, gm = _compiled_graph(monkeypatch, fn, (x, w))
+    expected = fn(x, w)
+    for a, e in zip(out, expected):
+        assert_close(a, e, atol=1e-5, rtol=1e-5)
+    assert out[1]._base is not None and out[1].stride() == expected[1].stride()
+    assert [n for n in gm.graph.nodes if n.target is fast_calls.REINTERPRET], gm.code
+
+
+def test_chains_from_untrusted_roots_are_left_alone():
+    """The root's strides are trusted only for inputs, kernels' outputs, GEMMs, embeddings and
+    attention; a chain from another op's result (here cumsum) keeps its views."""
+    aten = torch.ops.aten
+    x = torch.randn(4, 6)
+    gm = torch.fx.symbolic_trace(lambda x: x)
+    g = torch.fx.Graph()
+    p = g.placeholder("x")
+    with torch._subclasses.FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        c = g.call_function(aten.cumsum.default, (p, 1))
+        v = g.call_function(aten.view.default, (c, [24]))
+        u = g.call_function(aten.unsqueeze.default, (v, 0))
+        s = g.call_function(aten.mul.Tensor, (u, 2.0))
+        p.meta["val"] = fx
+        c.meta["val"] = aten.cumsum.default(fx, 1)
+        v.meta["val"] = aten.view.default(c.meta["val"], [24])
+        u.meta["val"] = aten.unsqueeze.default(v.meta["val"], 0)
+    g.output((s,))
+    gm = torch.fx.GraphModule({}, g)
+    fast_calls.run(gm)
+    assert not [n for n in gm.graph.nodes if n.target is fast_calls.REINTERPRET]
+    assert torch.equal(gm(x)[0], (x.cumsum(1).view(24).unsqueeze(0) * 2.0))
