@@ -161,6 +161,11 @@ def _tanh_select(x):
 '''
 
 
+def libdevice_tanh(text):
+    """``fl.tanh`` (the branch-free replica, codegen/triton_lib.py) back to libdevice's tanhf."""
+    return text.replace("fl.tanh(", "fl.tanh_libdevice(")
+
+
 def tanh_select(text):
     """``fl.tanh`` replaced by the branch-free replica of libdevice's tanhf above."""
     text = text.replace("fl.tanh(", "_tanh_select(")
@@ -195,6 +200,7 @@ EXTRA_CASES = {
 
 VARIANTS = {
     "newgelu": {
+        "libdevice tanh": [libdevice_tanh],
         "tanh select": [tanh_select],
         "block 4096 w8": [block(4096, 8)],
         "tanh select, block 1024 w4": [tanh_select, block(1024, 4)],
@@ -328,8 +334,11 @@ def main():
         for label, f in timed.items():
             ms = do_bench(f, warmup=25, rep=200, return_mode="median")
             row[label] = {"ms": ms, "pct_floor": 100 * floor_ms / ms}
-            print(f"{name:22s} {label:28s} {ms * 1e3:8.1f} us  {100 * floor_ms / ms:5.1f}% of floor",
-                  flush=True)
+            err = row.get("errors", {}).get(label)
+            err = (f"  max err {err['max_abs_error']:.3g}, bits equal {100 * err['bits_equal']:.4f}%"
+                   if err else "")
+            print(f"{name:22s} {label:28s} {ms * 1e3:8.1f} us  {100 * floor_ms / ms:5.1f}% of floor"
+                  f"{err}", flush=True)
         results["patterns"][name] = row
         with open(out_dir / "code.txt", "a") as f:
             f.write("\n".join(code) + "\n")

@@ -164,7 +164,7 @@ def _constants(gm) -> int:
         name = f"_fc_constant_{folded}"
         while hasattr(gm, name):
             name += "_"
-        setattr(gm, name, value)
+        gm.register_buffer(name, value, persistent=False)
         with gm.graph.inserting_before(node):
             const = gm.graph.get_attr(name)
         const.meta = dict(node.meta)
@@ -203,7 +203,8 @@ def _trusted_root(node) -> bool:
 
 
 def _view_chains(gm) -> int:
-    """Each chain of two or more views from a trusted root, one ``_reinterpret_tensor`` call."""
+    """Each chain of views from a trusted root, one ``_reinterpret_tensor`` call (a single view
+    too: 1.2 us against 4.5 for ``Tensor.view`` on the H200's host)."""
     if REINTERPRET is None:
         return 0
     outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
@@ -216,7 +217,7 @@ def _view_chains(gm) -> int:
         while root.op == "call_function" and root.target in CHAIN_VIEWS:
             root, length = root.args[0], length + 1
         end, start = _layout(node), _layout(root)
-        if length < 2 or end is None or start is None or not _trusted_root(root):
+        if end is None or start is None or not _trusted_root(root):
             continue
         with gm.graph.inserting_before(node):
             call = gm.graph.call_function(REINTERPRET, (root, end[0], end[1], end[2] - start[2]))

@@ -158,10 +158,16 @@ def _sm90_cases():
                    torch.randn(9, 16)), {}))
     cases.append(("constant pad", lambda x: torch.nn.functional.pad(x * 2.0, (0, 3, 0, 2)) + 1.0,
                   (torch.randn(7, 29, dtype=torch.bfloat16),), {}))
+    cases.append(("GPT-2 GELU (bf16 op by op, the branch-free tanh)", new_gelu,
+                  (torch.randn(5, 37, dtype=torch.bfloat16),), {}))
     cases.append(("attention inputs (three parts)", gqa_attention,
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                    torch.randn(9, 16), torch.randn(9, 16)), {}))
     return cases
+
+
+def new_gelu(x):
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 def repeat_kv(x, n):
