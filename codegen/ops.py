@@ -137,7 +137,8 @@ POINTWISE = {
     "aten.reciprocal.default": lambda a, k, ct: _div("1.0", a[0], ct),
     "aten.sin.default": lambda a, k, ct: f"tl.sin({a[0]})",
     "aten.cos.default": lambda a, k, ct: f"tl.cos({a[0]})",
-    "aten.tanh.default": lambda a, k, ct: f"fl.tanh({a[0]})",
+    "aten.tanh.default": lambda a, k, ct: (f"fl.tanh_libdevice({a[0]})" if ct == torch.float64
+                                           else f"fl.tanh({a[0]})"),
     "aten.sigmoid.default": lambda a, k, ct: _div("1.0", f"(1.0 + tl.exp(-{a[0]}))", ct),
     "aten.erf.default": lambda a, k, ct: f"tl.math.erf({a[0]})",
     "aten.relu.default": lambda a, k, ct: _clamp(a[0], literal(0, ct), None),   # NaN stays NaN

@@ -115,6 +115,10 @@ if INTERPRET:
         return tl.where(x < 0, -t, t)
 
     @triton.jit
+    def tanh_libdevice(x):
+        return tanh(x)
+
+    @triton.jit
     def log1p(x):
         return tl.log(1.0 + x)
 
@@ -186,7 +190,7 @@ else:
         branch that diverges within a warp where inputs straddle 0.6. Both sides computed and
         one selected: the same bits (the same PTX operations in the same order), 609 -> 522
         SASS instructions for GPT-2's bf16 GELU kernel and 23.0 -> 20.4 us at [4096, 3072] on
-        the H200 (benchmarks/variants.py, newgelu)."""
+        the H200 (benchmarks/variants.py, newgelu). For fp32; fp64 takes ``tanh_libdevice``."""
         return tl.inline_asm_elementwise(
             """{
             .reg .f32 a, x2, p, c, e, d, q, s, r1;
@@ -220,7 +224,7 @@ else:
             or.b32 sb, sb, xb;
             mov.b32 s, sb;
             selp.f32 $0, r1, s, small;
-            }""", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+            }""", "=f,f", [x.to(tl.float32)], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def log1p(x):
