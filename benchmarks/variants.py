@@ -86,7 +86,7 @@ def reload(text):
     first = next(i for i, line in enumerate(lines)
                  if re.match(r"\s+x\d+ = tl\.load\(in\d+ \+ \(cols", line))
     name, rhs = re.match(r"\s+(x\d+) = (.*)$", lines[first]).groups()
-    after = next(i for i, line in enumerate(lines) if "tl.math.rsqrt(" in line)
+    after = next(i for i, line in enumerate(lines) if "fl.rsqrt(" in line)
     tail = [re.sub(rf"\b{name}\b", f"{name}_r", line) for line in lines[after + 1:]]
     # the two loads differ in their eviction hint (kept for the second read, then dropped),
     # which also keeps Triton from merging them into one

@@ -90,8 +90,14 @@ def _pow(a, b, ct):
     if e == -1:
         return _div("1.0", a, ct)
     if e == -0.5:
-        return f"tl.math.rsqrt({a})"
+        return _rsqrt(a, ct)
     return f"fl.pow({a}, {literal(e, ct)})"
+
+
+def _rsqrt(a, ct):
+    """fp32: ``fl.rsqrt``, the instruction libdevice's ``__nv_rsqrtf`` is (without linking
+    libdevice into the kernel: 70 ms of compile time per kernel); other types: libdevice's."""
+    return f"fl.rsqrt({a})" if ct == torch.float32 else f"tl.math.rsqrt({a})"
 
 
 def _float_only(ct, expr):
@@ -133,7 +139,7 @@ POINTWISE = {
     "aten.log2.default": lambda a, k, ct: f"tl.log2({a[0]})",
     "aten.log1p.default": lambda a, k, ct: f"fl.log1p({a[0]})",
     "aten.sqrt.default": lambda a, k, ct: _pow(a[0], 0.5, ct),
-    "aten.rsqrt.default": lambda a, k, ct: f"tl.math.rsqrt({a[0]})",
+    "aten.rsqrt.default": lambda a, k, ct: _rsqrt(a[0], ct),
     "aten.reciprocal.default": lambda a, k, ct: _div("1.0", a[0], ct),
     "aten.sin.default": lambda a, k, ct: f"tl.sin({a[0]})",
     "aten.cos.default": lambda a, k, ct: f"tl.cos({a[0]})",

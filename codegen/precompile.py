@@ -17,6 +17,7 @@ value) costs what it did before: the first call compiles the variant it needs.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import types
 
 import torch
@@ -107,7 +108,7 @@ def compile_specs(specs: list, target) -> list:
     """Compile launches described by plain data (for a process of its own, where Triton's
     interpreter has never been loaded): each spec names a generated module's file, one of its
     kernels and the recorded arguments. Returns, per spec, the compiled kernel's name, shared
-    memory and cubin size."""
+    memory, cubin size and the libdevice functions it calls."""
     import sys
     from pathlib import Path
 
@@ -124,7 +125,8 @@ def compile_specs(specs: list, target) -> list:
         compiled = compile_for_target(module.__dict__[spec["kernel"]], spec["args"],
                                       spec["kwargs"], target)
         done.append({"name": compiled.metadata.name, "shared": compiled.metadata.shared,
-                     "cubin_bytes": len(compiled.asm["cubin"])})
+                     "cubin_bytes": len(compiled.asm["cubin"]),
+                     "libdevice": sorted(set(re.findall(r"__nv_\w+", compiled.asm["llir"])))})
     return done
 
 

@@ -52,6 +52,10 @@ def div_scale(b):
 
 if INTERPRET:
     @triton.jit
+    def rsqrt(x):
+        return tl.math.rsqrt(x)
+
+    @triton.jit
     def div_recip(b, k):
         return b    # the GPU's reciprocal cannot be reproduced here: div_shared divides by b
 
@@ -163,6 +167,15 @@ else:
         if not SATURATE:
             x = tl.where(tl.abs(x) > 464.0, float("nan"), x)
         return x.to(tl.float8e4nv).to(tl.float32)
+
+    @triton.jit
+    def rsqrt(x):
+        # what tl.math.rsqrt becomes for fp32: libdevice's __nv_rsqrtf, under Triton's
+        # nvvm-reflect FTZ flag this one instruction; written here so that a kernel needs no
+        # libdevice (linking it in costs ~70 ms of compile time per kernel: GPT-2 has six)
+        return tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=f,f",
+                                         [x.to(tl.float32)], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
     @triton.jit
     def div_recip(b, k):
