@@ -172,7 +172,7 @@ else:
     def rsqrt(x):
         # what tl.math.rsqrt becomes for fp32: libdevice's __nv_rsqrtf, under Triton's
         # nvvm-reflect FTZ flag this one instruction; written here so that a kernel needs no
-        # libdevice (linking it in costs ~70 ms of compile time per kernel: GPT-2 has six)
+        # libdevice (linking it in costs ~30 ms of compile time per kernel: GPT-2 has six)
         return tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=f,f",
                                          [x.to(tl.float32)], dtype=tl.float32, is_pure=True,
                                          pack=1)

@@ -1,0 +1,97 @@
+"""How long Triton takes to compile a model's generated kernels, measured without a GPU.
+
+    python benchmarks/kernel_compile_time.py examples/gpt2.py:make_model_and_inputs \
+        --factory-args batch=1 seq=8 n_layer=12 n_embd=768 n_head=12 vocab_size=50257 \
+        n_positions=1024 --threads 1 2
+
+The model is compiled by the fusion backend on the CPU with the kernels run in Triton's
+interpreter (small shapes keep that quick: the kernels' structure, not their sizes, sets the
+compile time), recording each launch the first GPU call would make (as the sm_90 test of
+tests/test_precompile.py does). Then, in a process of its own (Triton's interpreter and its
+compiler cannot share one) and with an empty Triton cache, every distinct launch is compiled
+for sm_90 (front end, MLIR, LLVM, ptxas) on ``--threads`` threads, and the time of each is
+printed, with the libdevice functions each kernel links. Loading the binaries and building
+Triton's C launchers needs a GPU and is not included.
+"""
+import argparse
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+COMPILE = r'''
+import concurrent.futures, json, pickle, sys, time
+from triton.backends.compiler import GPUTarget
+from fusion_compiler.codegen.precompile import compile_specs
+specs, threads = pickle.load(sys.stdin.buffer)
+def one(spec):
+    t = time.perf_counter()
+    (r,) = compile_specs([spec], GPUTarget("cuda", 90, 32))
+    return dict(r, seconds=time.perf_counter() - t)
+t = time.perf_counter()
+with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    rows = list(pool.map(one, specs))
+print(json.dumps({"seconds": time.perf_counter() - t, "kernels": rows}))
+'''
+
+
+def record(target: str, factory_args: dict) -> list:
+    """The distinct launches of the target's first call, as plain data."""
+    import torch
+
+    from fusion_compiler.cli import load_factory
+    from fusion_compiler.codegen import precompile
+    from fusion_compiler.passes import generate
+
+    specs = {}
+
+    def spy(ctx):
+        paths = {k["group"]: k["path"] for k in ctx.kernels}
+        for g in ctx.groups:
+            launch = ctx.launchers.get(g.id)
+            if launch is None:
+                continue
+            names = {id(v): k for k, v in launch.func.__globals__.items() if k.endswith("_kernel")}
+            for kernel, _grid, args, kwargs in precompile.recorded_launches(
+                    launch, *precompile.stand_ins(g, ctx.size_hints)):
+                spec = {"path": paths[g.id], "kernel": names[id(kernel)], "args": args,
+                        "kwargs": kwargs}
+                specs.setdefault(repr(sorted(spec.items())), spec)
+    generate.LEAN = True
+    generate._compile_kernels = spy
+    factory = load_factory(target)[0]
+    model, inputs = factory(**factory_args)
+    with torch.no_grad():
+        torch.compile(model, backend="fusion")(*inputs)
+    return list(specs.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("target")
+    ap.add_argument("--factory-args", nargs="*", default=[], metavar="KEY=INT")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    a = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # re-run this script with the interpreter on, before triton is imported
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
+    specs = record(a.target, {k: int(v) for k, v in (kv.split("=") for kv in a.factory_args)})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for threads in a.threads:
+        with tempfile.TemporaryDirectory() as cache:
+            env["TRITON_CACHE_DIR"] = cache
+            proc = subprocess.run([sys.executable, "-c", COMPILE], input=pickle.dumps((specs, threads)),
+                                  capture_output=True, env=env, check=True)
+        result = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+        compiled = [k for k in result["kernels"] if k["seconds"] > 0.005]   # not a cache hit
+        print(f"{len(specs)} distinct launches ({len(compiled)} compiled, the rest the same "
+              f"kernel), {threads} thread(s): {result['seconds']:.2f} s")
+        for k in compiled:
+            print(f"  {k['name']:22s} {k['seconds']:.2f} s  libdevice: {k['libdevice'] or '-'}")
+
+
+if __name__ == "__main__":
+    main()
