@@ -48,17 +48,8 @@ def record(target: str, factory_args: dict) -> list:
     specs = {}
 
     def spy(ctx):
-        paths = {k["group"]: k["path"] for k in ctx.kernels}
-        for g in ctx.groups:
-            launch = ctx.launchers.get(g.id)
-            if launch is None:
-                continue
-            names = {id(v): k for k, v in launch.func.__globals__.items() if k.endswith("_kernel")}
-            for kernel, _grid, args, kwargs in precompile.recorded_launches(
-                    launch, *precompile.stand_ins(g, ctx.size_hints)):
-                spec = {"path": paths[g.id], "kernel": names[id(kernel)], "args": args,
-                        "kwargs": kwargs}
-                specs.setdefault(repr(sorted(spec.items())), spec)
+        for spec in precompile.launch_specs(ctx):
+            specs.setdefault(repr(sorted(spec.items())), spec)
     generate.LEAN = True
     generate._compile_kernels = spy
     factory = load_factory(target)[0]

@@ -115,62 +115,10 @@ def persistent(programs: int, stages: int = 0):
     return rewrite
 
 
-# libdevice's tanhf as Triton 3.6 inlines it (read from the PTX of a kernel calling fl.tanh):
-# below |x| = 0.6 an odd polynomial, above 1 - 2 / (2^(2|x| log2 e) + 1) with the sign of x,
-# 1 from |x| >= 9.01. The same instructions, both sides computed and one selected: the same
-# bits without libdevice's per-element branch (BSSY / BRA / BSYNC, divergent within a warp
-# where inputs straddle 0.6).
-TANH_SELECT = r'''
-
-@triton.jit
-def _tanh_select(x):
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .f32 a, x2, p, c, e, d, q, s, r1;
-        .reg .b32 sb, xb;
-        .reg .pred small, big;
-        abs.ftz.f32 a, $1;
-        setp.ltu.f32 small, a, 0f3F19999A;
-        mul.f32 x2, $1, $1;
-        mov.b32 p, 0f3C80F082;
-        mov.b32 c, 0fBD563CAE;
-        fma.rn.ftz.f32 p, p, x2, c;
-        mov.b32 c, 0f3E085941;
-        fma.rn.ftz.f32 p, p, x2, c;
-        mov.b32 c, 0fBEAAA9ED;
-        fma.rn.ftz.f32 p, p, x2, c;
-        mov.b32 c, 0f00000000;
-        fma.rn.ftz.f32 p, p, x2, c;
-        fma.rn.ftz.f32 r1, p, $1, $1;
-        mul.f32 e, a, 0f4038AA3B;
-        ex2.approx.ftz.f32 e, e;
-        add.f32 d, e, 0f3F800000;
-        rcp.approx.ftz.f32 q, d;
-        mov.b32 c, 0fC0000000;
-        mov.b32 s, 0f3F800000;
-        fma.rn.ftz.f32 s, q, c, s;
-        setp.ge.f32 big, a, 0f41102CB4;
-        selp.f32 s, 0f3F800000, s, big;
-        mov.b32 sb, s;
-        mov.b32 xb, $1;
-        and.b32 xb, xb, -2147483648;
-        or.b32 sb, sb, xb;
-        mov.b32 s, sb;
-        selp.f32 $0, r1, s, small;
-        }""", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-'''
-
-
 def libdevice_tanh(text):
-    """``fl.tanh`` (the branch-free replica, codegen/triton_lib.py) back to libdevice's tanhf."""
+    """``fl.tanh`` (libdevice's tanhf without its branch, codegen/triton_lib.py) back to
+    libdevice's own: the comparison that chose the branch-free form."""
     return text.replace("fl.tanh(", "fl.tanh_libdevice(")
-
-
-def tanh_select(text):
-    """``fl.tanh`` replaced by the branch-free replica of libdevice's tanhf above."""
-    text = text.replace("fl.tanh(", "_tanh_select(")
-    at = text.index("\n\n@triton.jit")
-    return text[:at] + TANH_SELECT + text[at:]
 
 
 def const_n(n):
@@ -201,9 +149,8 @@ EXTRA_CASES = {
 VARIANTS = {
     "newgelu": {
         "libdevice tanh": [libdevice_tanh],
-        "tanh select": [tanh_select],
         "block 4096 w8": [block(4096, 8)],
-        "tanh select, block 1024 w4": [tanh_select, block(1024, 4)],
+        "block 1024 w4": [block(1024, 4)],
     },
     "bias_gelu": {
         "block 4096 w8": [block(4096, 8)],

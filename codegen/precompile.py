@@ -104,6 +104,23 @@ def compile_for_target(kernel, args, kwargs, target):
     return triton_compile(source, target=target, options=options.__dict__)
 
 
+def launch_specs(ctx) -> list:
+    """The launches a compiled graph's first call will make (its context ``ctx``), as plain
+    data for ``compile_specs``: each names the generated module's file, one of its kernels and
+    the recorded arguments."""
+    paths = {k["group"]: k["path"] for k in ctx.kernels}
+    specs = []
+    for g in ctx.groups:
+        launch = ctx.launchers.get(g.id)
+        if launch is None:
+            continue
+        names = {id(v): k for k, v in launch.func.__globals__.items() if k.endswith("_kernel")}
+        for kernel, _grid, args, kwargs in recorded_launches(launch, *stand_ins(g, ctx.size_hints)):
+            specs.append({"path": paths[g.id], "kernel": names[id(kernel)], "args": args,
+                          "kwargs": kwargs})
+    return specs
+
+
 def compile_specs(specs: list, target) -> list:
     """Compile launches described by plain data (for a process of its own, where Triton's
     interpreter has never been loaded): each spec names a generated module's file, one of its
