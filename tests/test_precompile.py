@@ -160,6 +160,8 @@ def _sm90_cases():
                   (torch.randn(7, 29, dtype=torch.bfloat16),), {}))
     cases.append(("GPT-2 GELU (bf16 op by op, the branch-free tanh)", new_gelu,
                   (torch.randn(5, 37, dtype=torch.bfloat16),), {}))
+    cases.append(("rsqrt and tanh of a host scalar", lambda x, s: x * torch.rsqrt(s) + torch.tanh(s),
+                  (torch.randn(5, 37), torch.tensor(2.5)), {}))
     cases.append(("fp64 tanh (libdevice's)", lambda x: torch.tanh(x * 2.0) + 1.0,
                   (torch.randn(5, 37, dtype=torch.float64),), {}))
     cases.append(("attention inputs (three parts)", gqa_attention,
