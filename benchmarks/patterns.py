@@ -4,9 +4,11 @@
 
 Same definitions and sizes as shared/anchors.py (bf16, 16384 x 4096; SwiGLU and bias+GELU at
 16384 x 11008; softmax at 256 x 4096 x 1024). Medians of triton.testing.do_bench. Below 4096
-rows a call takes microseconds and a burst of host noise moves one backend's median by 2-5x
-(session 7: Inductor's add+RMSNorm at 1 row read 78.6 us, at 64 rows 11.0 us), so there the
-three backends are timed in turns, ``--rounds`` times (default 3), and the least median counts.
+rows a call takes microseconds and the host's state moves a median by 2-5x (session 7, timed
+one backend after another: Inductor's add+RMSNorm at 1 row 78.6 us, at 64 rows 11.0 us), so
+there the three backends are timed in turns, ``--rounds`` times (default 3), and the least
+median counts. That does not cure everything: in turns too, the first cases of a run (1 row)
+read 40-115 us for every backend, eager included.
 """
 import argparse
 import json

@@ -11,8 +11,8 @@ without keyword arguments the binding would not accept. Before that, four rewrit
 a view repeated with the same arguments is made once, a GEMM of a transposed weight is one
 ``linear`` call, a chain of views is one call, and a small tensor made from constants alone
 (``arange(0, 512)``, ``full([], True)``: GPT-2's mask building) is made once, when the graph is
-compiled, and kept (25-40 us of host time per call each on the H200's host). Runs last, after the report has named the
-ops (reports and `dump` show ATen names).
+compiled, and kept (25-40 us of host time per call each on the H200's host). Runs last, after
+the report has named the ops (reports and `dump` show ATen names).
 
 A chain of views (GPT-2's attention: ``as_strided -> view -> permute`` for each of q, k and v,
 ``view -> permute -> view -> view`` after it) is replaced by one call that makes the chain's
@@ -21,9 +21,9 @@ generated code uses for the same purpose (1.4 us against 2.4 for view + permute 
 development CPU; ``aten.as_strided.default`` through its overload costs 8.8). That trusts the
 root's strides to be the ones traced, so roots are only values whose layout is certain: graph
 inputs (Dynamo guards their strides), the constants made here, the fused kernels' outputs
-(allocated with the traced strides) and the outputs of GEMMs, embeddings and attention (their fake implementations give
-the real layout). A chain that ends in a graph output is left alone: aot_autograd inspects
-those views.
+(allocated with the traced strides), the outputs of GEMMs, embeddings and attention (their fake
+implementations give the real layout) and the calls made here. A chain that ends in a graph
+output is left alone: aot_autograd inspects those views.
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ ATTENTION = {aten._scaled_dot_product_flash_attention.default,
 FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
              aten.zeros.default, aten.ones.default, aten.scalar_tensor.default}
 MAX_CONSTANT_BYTES = 1 << 20
+CONSTANT_PREFIX = "_fc_constant"
 REINTERPRET = getattr(getattr(torch._C._dynamo, "guards", None), "_reinterpret_tensor", None)
 
 
@@ -86,12 +87,17 @@ def run(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
+def _outputs(gm) -> set:
+    """The nodes the graph returns."""
+    return set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+
+
 def _same_views(gm) -> int:
     """One call for views repeated with the same arguments (q, k and v projections each view
     the normed hidden states the same way). Views that are graph outputs are left alone:
     aot_autograd's output handling expects the tensors it traced."""
     seen, removed = {}, 0
-    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    outputs = _outputs(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in VIEWS or node in outputs:
             continue
@@ -149,7 +155,7 @@ def _reaches_output(node, outputs) -> bool:
 def _constants(gm) -> int:
     """Factory calls with constant arguments made once, now: the graph reads the kept tensor.
     Not where the tensor (or a view of it) is returned: the caller could write to it."""
-    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    outputs = _outputs(gm)
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in FACTORIES or node.all_input_nodes:
@@ -161,7 +167,7 @@ def _constants(gm) -> int:
             continue
         with torch.utils._python_dispatch._disable_current_modes():    # not a fake tensor
             value = node.target(*node.args, **node.kwargs)
-        name = f"_fc_constant_{folded}"
+        name = f"{CONSTANT_PREFIX}_{folded}"
         while hasattr(gm, name):
             name += "_"
         gm.register_buffer(name, value, persistent=False)
@@ -190,10 +196,12 @@ def _layout(node):
 def _trusted_root(node) -> bool:
     """Whether ``node``'s tensor has, when the graph runs, the strides traced for it."""
     if node.op == "placeholder" or (node.op == "get_attr"
-                                    and node.target.startswith("_fc_constant")):
+                                    and node.target.startswith(CONSTANT_PREFIX)):
         return True
     if node.op != "call_function":
         return False
+    if node.target is REINTERPRET:      # a chain made one call here: its traced layout
+        return True
     if node.target is operator.getitem:
         source = node.args[0]
         return isinstance(source, torch.fx.Node) and (
@@ -207,7 +215,7 @@ def _view_chains(gm) -> int:
     too: 1.2 us against 4.5 for ``Tensor.view`` on the H200's host)."""
     if REINTERPRET is None:
         return 0
-    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    outputs = _outputs(gm)
     removed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in CHAIN_VIEWS or node in outputs \

@@ -85,13 +85,13 @@ def _only_leaves(node) -> bool:
     return True
 
 
-def _restride(node, like):
+def _restride(node):
     """Fix the recorded strides of the views between a cut GEMM result and the output."""
     for user in node.users:
         if user.op == "call_function":
-            with _val(like).fake_mode:
-                user.meta["val"] = user.target(_val(like), *user.args[1:])
-            _restride(user, user)
+            with _val(node).fake_mode:
+                user.meta["val"] = user.target(_val(node), *user.args[1:])
+            _restride(user)
 
 
 def worth_padding(m, k, n, pad_k, pad_n, itemsize, profile) -> bool:
@@ -136,7 +136,7 @@ def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
             result = cut if leaves else _emit(gm, aten.clone.default, (cut,), mode)
         node.replace_all_uses_with(result)
         if leaves:
-            _restride(result, result)
+            _restride(result)
         gm.graph.erase_node(node)
         for old in (a, b):          # a transpose the padded copy bypasses
             if isinstance(old, torch.fx.Node) and not old.users and old.target in TRANSPOSES:

@@ -8,6 +8,18 @@ from fusion_compiler.passes import fast_calls
 from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
 
 
+def _compiled_graph(monkeypatch, fn, args):
+    """(outputs, reports, the one compiled graph module) of ``fn`` compiled for inference."""
+    graphs = []
+    compile_aten_graph = backend.compile_aten_graph
+    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config: graphs.append(
+        compile_aten_graph(gm, kind, config)) or graphs[-1])
+    with torch.no_grad():
+        out, reports = compile_and_run(fn, args)
+    (gm,) = graphs
+    return out, reports, gm
+
+
 def model(x, w, b, y):
     h = torch.addmm(b, x.view(-1, x.shape[-1]), w.t())            # addmm, view, t
     h = (h.relu() * 2).view(x.shape[0], x.shape[1], -1)           # one fused kernel
@@ -17,22 +29,17 @@ def model(x, w, b, y):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_left_over_aten_ops_use_direct_bindings(monkeypatch, device, dtype):
-    graphs = []
-    compile_aten_graph = backend.compile_aten_graph
-    monkeypatch.setattr(backend, "compile_aten_graph",
-                        lambda gm, kind, config: graphs.append(compile_aten_graph(gm, kind, config)) or graphs[-1])
     x = torch.randn(3, 5, 7, device=device, dtype=dtype)
     w = torch.randn(9, 7, device=device, dtype=dtype)
     b = torch.randn(9, device=device, dtype=dtype)
     y = torch.randn(1, 3, 5, 5, device=device, dtype=dtype)
+    out, reports, gm = _compiled_graph(monkeypatch, model, (x, w, b, y))
     with torch.no_grad():
-        out, reports = compile_and_run(model, (x, w, b, y))
         expected = model(x, w, b, y)
     assert_close(out, expected, dtype=dtype)
     assert kernel_count(reports) >= 1
     names = leftover_aten(reports)
     assert {"aten.addmm.default", "aten.bmm.default"} <= set(names), names
-    (gm,) = graphs
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert {torch._C._nn.linear, torch.bmm} <= targets      # addmm of w.t(): one linear call
     assert torch.addmm not in targets and torch.t not in targets
@@ -52,20 +59,15 @@ def projections(x, wq, wk, wv, wo, b, y):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_repeated_views_are_made_once_and_gemms_of_transposes_are_linear(monkeypatch, device,
                                                                           dtype):
-    graphs = []
-    compile_aten_graph = backend.compile_aten_graph
-    monkeypatch.setattr(backend, "compile_aten_graph",
-                        lambda gm, kind, config: graphs.append(compile_aten_graph(gm, kind, config)) or graphs[-1])
     args = [torch.randn(3, 5, 7, device=device, dtype=dtype)] + [
         torch.randn(7, 7, device=device, dtype=dtype) for _ in range(4)] + [
         torch.randn(7, device=device, dtype=dtype), torch.randn(4, 7, device=device, dtype=dtype)]
+    out, reports, gm = _compiled_graph(monkeypatch, projections, args)
     with torch.no_grad():
-        out, reports = compile_and_run(projections, args)
         expected = projections(*args)
     for i, (a, e) in enumerate(zip(out, expected)):
         assert_close(a, e, dtype=dtype, name=f"output {i}")
     assert kernel_count(reports) >= 1
-    (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     linear = [n for n in calls if n.target is torch._C._nn.linear]
     assert len(linear) == 3, gm.code                    # q, k, and v with its bias
@@ -105,21 +107,15 @@ def test_calls_with_other_keywords_keep_their_overload():
     assert torch.equal(expanded, x.expand(2, 3)) and torch.equal(viewed, x.view(3))
 
 
-def _compiled_graph(monkeypatch, fn, args):
-    graphs = []
-    compile_aten_graph = backend.compile_aten_graph
-    monkeypatch.setattr(backend, "compile_aten_graph",
-                        lambda gm, kind, config: graphs.append(compile_aten_graph(gm, kind, config)) or graphs[-1])
-    with torch.no_grad():
-        out, reports = compile_and_run(fn, args)
-    (gm,) = graphs
-    return out, reports, gm
+def _view_targets():
+    """The view ops as a compiled graph calls them: ATen overloads, or their direct bindings."""
+    return set(fast_calls.CHAIN_VIEWS) | {fast_calls.FAST[op][0] for op in fast_calls.FAST
+                                          if op in fast_calls.CHAIN_VIEWS}
 
 
 def _view_chains_left(gm):
     """Views whose input is itself a view, outside the chains that end in graph outputs."""
-    views = set(fast_calls.CHAIN_VIEWS) | {fast_calls.FAST[op][0] for op in fast_calls.FAST
-                                           if op in fast_calls.CHAIN_VIEWS}
+    views = _view_targets()
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     kept = set()
     todo = list(output.all_input_nodes)
@@ -190,7 +186,6 @@ def test_chains_from_untrusted_roots_are_left_alone():
     attention; a chain from another op's result (here cumsum) keeps its views."""
     aten = torch.ops.aten
     x = torch.randn(4, 6)
-    gm = torch.fx.symbolic_trace(lambda x: x)
     g = torch.fx.Graph()
     p = g.placeholder("x")
     with torch._subclasses.FakeTensorMode() as mode:
@@ -239,3 +234,19 @@ def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
         again = gm(x, ids)                  # the compiled graph, called again
     for a, e in zip(again, expected):
         assert_close(a, e, dtype=a.dtype if a.is_floating_point() else None)
+
+
+def test_a_view_of_a_collapsed_chain_is_collapsed_too(monkeypatch, device):
+    """A chain's end read both by an op and by another view: the end becomes one call, and the
+    view after it one call from there (its traced layout is certain too)."""
+    def fn(x):
+        h = x[1:].view(6, 4)
+        return torch.mm(h.t(), h) * 2.0
+
+    x = torch.randn(25, device=device)
+    out, reports, gm = _compiled_graph(monkeypatch, fn, (x,))
+    assert_close(out, fn(x), atol=1e-5, rtol=1e-5)
+    assert kernel_count(reports) == 1
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls.count(fast_calls.REINTERPRET) == 2, gm.code        # h, and h.t() from it
+    assert not set(calls) & _view_targets(), gm.code
