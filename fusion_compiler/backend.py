@@ -22,7 +22,7 @@ from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
 from .passes import fast_calls, sdpa_mask
 from .report import GraphReport, aten_compute_ops, publish
-from .summary import summarize
+from . import summary
 
 log = logging.getLogger("fusion_compiler")
 _said_cpu = False
@@ -44,6 +44,7 @@ class CompileContext:
     groups: list = field(default_factory=list)
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
+    constants: list = field(default_factory=list)   # (node, buffer, bytes), constant_fold
 
 
 def kernel_cache(config: Config):
@@ -92,6 +93,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
                     "unfused. Set FUSION_COMPILER_STRICT=1 to raise instead.", kind,
                     type(exc).__name__, exc)
         report.error = f"{type(exc).__name__}: {exc}"
+        report.summary = summary.failed(ctx, report.error)
         report.aten_ops = aten_compute_ops(gm)
         report.compile_seconds = time.perf_counter() - started
         publish(report)
@@ -102,7 +104,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)
                                    for g in ctx.groups if g.id not in ctx.launchers]
     report.decisions = ctx.decisions
-    report.summary = summarize(gm, ctx)
+    report.summary = summary.summarize(gm, ctx)
     if log.isEnabledFor(logging.INFO):      # the dump's table, while torch.compile runs
         from .dump_format import render_table
         doc = {"target": f"torch.compile ({kind} graph)", "graphs": [dict(

@@ -159,6 +159,9 @@ def render_table(doc) -> str:
         out.append("no graph was compiled (did the model run any tensor op?)")
     for i, s in enumerate(doc["graphs"]):
         out += ["", f"== {_graph_title(i, s)} =="]
+        if s.get("error"):
+            out.append(f"compiling this graph failed; it runs on ATen unfused: {s['error']}")
+            continue
         rows, notes = group_rows(s)
         out += [f"fused groups ({len(rows)})"] + (text_table(GROUP_HEADERS, rows, {5, 6})
                                                     if rows else [])
@@ -166,6 +169,10 @@ def render_table(doc) -> str:
         out += ["", f"left on ATen ({len(s['aten_ops'])} ops)"]
         if s["aten_ops"]:
             out += text_table(ATEN_HEADERS, aten_rows(s), right={1})
+        if s.get("constants"):
+            out += ["", f"computed once, at compile time ({len(s['constants'])} constants, "
+                        f"{human_bytes(sum(c['bytes'] for c in s['constants']))}): "
+                        + ", ".join(c["node"] for c in s["constants"])]
         out += ["", f"refused fusions ({len(s['refused'])}; score: estimated time the fusion "
                     "would have saved)"]
         sections = refused_sections(s)

@@ -102,6 +102,7 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
     return {
         "kind": ctx.kind, "profile": ctx.profile.name, "groups": groups, "aten_ops": aten,
         "refused": refused, "edges": edges,
+        "constants": [{"node": name, "bytes": size} for name, _, size in ctx.constants],
         "totals": {
             "fusible_ops": len(in_groups),
             "kernels_before": len(in_groups),
@@ -111,3 +112,12 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
             "time_before_us": before_time * 1e6, "time_after_us": after_time * 1e6,
         },
     }
+
+
+def failed(ctx, error: str) -> dict:
+    """The summary of a graph the compiler could not compile (it runs on ATen unfused)."""
+    return {"kind": ctx.kind, "profile": ctx.profile.name, "error": error, "groups": [],
+            "aten_ops": [], "refused": [], "edges": [], "constants": [],
+            "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,
+                       "bytes_before": 0, "bytes_after": 0,
+                       "time_before_us": 0.0, "time_after_us": 0.0}}

@@ -7,12 +7,12 @@ GEMMs) beside its 49 kernels, and every one runs on each step, so the launch-bou
 it in full. The direct bindings reach the same ATen kernels: the results are the same tensors.
 
 Only ops whose direct binding takes the same positional arguments are mapped, and only calls
-without keyword arguments the binding would not accept. Before that, four rewrites remove calls:
-a view repeated with the same arguments is made once, a GEMM of a transposed weight is one
-``linear`` call, a chain of views is one call, and a small tensor made from constants alone
-(``arange(0, 512)``, ``full([], True)``: GPT-2's mask building) is made once, when the graph is
-compiled, and kept (25-40 us of host time per call each on the H200's host). Runs last, after
-the report has named the ops (reports and `dump` show ATen names).
+without keyword arguments the binding would not accept. Before that, four rewrites remove
+calls: a factory call with constant arguments that no kernel took in (``arange``, ``full``) is
+made once, now, and kept (``constant_fold.factories``; 25-40 us of host time per call each on
+the H200's host); a view repeated with the same arguments is made once; a GEMM of a transposed
+weight is one ``linear`` call; a chain of views is one call. Runs last, after the report has
+named the ops (reports and `dump` show ATen names).
 
 A chain of views (GPT-2's attention: ``as_strided -> view -> permute`` for each of q, k and v,
 ``view -> permute -> view -> view`` after it) is replaced by one call that makes the chain's
@@ -20,7 +20,7 @@ final size, strides and offset from its root: ``_reinterpret_tensor``, the C++ h
 generated code uses for the same purpose (1.4 us against 2.4 for view + permute on the
 development CPU; ``aten.as_strided.default`` through its overload costs 8.8). That trusts the
 root's strides to be the ones traced, so roots are only values whose layout is certain: graph
-inputs (Dynamo guards their strides), the constants made here, the fused kernels' outputs
+inputs (Dynamo guards their strides), the folded constants, the fused kernels' outputs
 (allocated with the traced strides), the outputs of GEMMs, embeddings and attention (their fake
 implementations give the real layout) and the calls made here. A chain that ends in a graph
 output is left alone: aot_autograd inspects those views.
@@ -30,6 +30,8 @@ from __future__ import annotations
 import operator
 
 import torch
+
+from . import constant_fold
 
 aten = torch.ops.aten
 
@@ -64,17 +66,12 @@ ATTENTION = {aten._scaled_dot_product_flash_attention.default,
              aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_cudnn_attention.default,
              aten._scaled_dot_product_flash_attention_for_cpu.default}
-# factories whose result depends on their (constant) arguments alone
-FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
-             aten.zeros.default, aten.ones.default, aten.scalar_tensor.default}
-MAX_CONSTANT_BYTES = 1 << 20
-CONSTANT_PREFIX = "_fc_constant"
 REINTERPRET = getattr(getattr(torch._C._dynamo, "guards", None), "_reinterpret_tensor", None)
 
 
 def run(gm: torch.fx.GraphModule) -> int:
     """Rewrite the call path of ``gm`` in place; how many calls were removed or swapped."""
-    changed = _constants(gm) + _same_views(gm) + _linear(gm) + _view_chains(gm)
+    changed = constant_fold.factories(gm) + _same_views(gm) + _linear(gm) + _view_chains(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in FAST:
             continue
@@ -146,40 +143,6 @@ def _linear(gm) -> int:
     return swapped
 
 
-def _reaches_output(node, outputs) -> bool:
-    """Whether ``node``'s tensor, or a view of it, is a graph output."""
-    return node in outputs or any(u.op == "call_function" and u.target in CHAIN_VIEWS
-                                  and _reaches_output(u, outputs) for u in node.users)
-
-
-def _constants(gm) -> int:
-    """Factory calls with constant arguments made once, now: the graph reads the kept tensor.
-    Not where the tensor (or a view of it) is returned: the caller could write to it."""
-    outputs = _outputs(gm)
-    folded = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in FACTORIES or node.all_input_nodes:
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or _layout(node) is None \
-                or val.numel() * val.element_size() > MAX_CONSTANT_BYTES \
-                or _reaches_output(node, outputs):
-            continue
-        with torch.utils._python_dispatch._disable_current_modes():    # not a fake tensor
-            value = node.target(*node.args, **node.kwargs)
-        name = f"{CONSTANT_PREFIX}_{folded}"
-        while hasattr(gm, name):
-            name += "_"
-        gm.register_buffer(name, value, persistent=False)
-        with gm.graph.inserting_before(node):
-            const = gm.graph.get_attr(name)
-        const.meta = dict(node.meta)
-        node.replace_all_uses_with(const)
-        gm.graph.erase_node(node)
-        folded += 1
-    return folded
-
-
 def _layout(node):
     """(sizes, strides, storage offset) of a node's traced tensor, if all are plain ints."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -196,7 +159,7 @@ def _layout(node):
 def _trusted_root(node) -> bool:
     """Whether ``node``'s tensor has, when the graph runs, the strides traced for it."""
     if node.op == "placeholder" or (node.op == "get_attr"
-                                    and node.target.startswith(CONSTANT_PREFIX)):
+                                    and node.target.startswith(constant_fold.PREFIX)):
         return True
     if node.op != "call_function":
         return False

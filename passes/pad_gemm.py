@@ -51,7 +51,7 @@ def _static(value) -> bool:
     return all(isinstance(s, int) for s in value.shape)
 
 
-def _emit(gm, op, args, mode):
+def emit(gm, op, args, mode):
     node = gm.graph.call_function(op, args)
     values = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
     with mode:
@@ -67,9 +67,9 @@ def _pad(gm, node, pads, mode):
             and _val(src).is_contiguous() and (node.target == aten.t.default
                                                 or list(node.args[1]) == [1, 0]):
         swapped = [pads[2], pads[3], pads[0], pads[1]]
-        return _emit(gm, aten.t.default, (_emit(gm, aten.constant_pad_nd.default,
+        return emit(gm, aten.t.default, (emit(gm, aten.constant_pad_nd.default,
                                                 (src, swapped), mode),), mode)
-    return _emit(gm, aten.constant_pad_nd.default, (node, pads), mode)
+    return emit(gm, aten.constant_pad_nd.default, (node, pads), mode)
 
 
 def _only_leaves(node) -> bool:
@@ -127,13 +127,13 @@ def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
             pa = _pad(gm, a, [0, pad_k], mode) if pad_k else a
             pb = _pad(gm, b, [0, pad_n, 0, pad_k], mode)
             if bias is None:
-                wide = _emit(gm, aten.mm.default, (pa, pb), mode)
+                wide = emit(gm, aten.mm.default, (pa, pb), mode)
             else:
-                pbias = _emit(gm, aten.constant_pad_nd.default, (bias, [0, pad_n]), mode)
-                wide = _emit(gm, aten.addmm.default, (pbias, pa, pb), mode)
-            cut = _emit(gm, aten.slice.Tensor, (wide, 1, 0, n), mode)
+                pbias = emit(gm, aten.constant_pad_nd.default, (bias, [0, pad_n]), mode)
+                wide = emit(gm, aten.addmm.default, (pbias, pa, pb), mode)
+            cut = emit(gm, aten.slice.Tensor, (wide, 1, 0, n), mode)
             leaves = _only_leaves(node)
-            result = cut if leaves else _emit(gm, aten.clone.default, (cut,), mode)
+            result = cut if leaves else emit(gm, aten.clone.default, (cut,), mode)
         node.replace_all_uses_with(result)
         if leaves:
             _restride(result)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from . import classify, fuse, generate, pad_gemm, partition, shapes
+from . import classify, constant_fold, fuse, generate, pad_gemm, partition, shapes
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Decide the fusion groups; no code is generated (what `dump` and CPU runs need)."""
+    constant_fold.run(gm, ctx)      # values computed from constants alone: computed now, kept
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque

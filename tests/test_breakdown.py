@@ -195,10 +195,10 @@ def test_run_prints_a_breakdown_per_target_and_backend_and_writes_it_to_json(
     def fake_measure(fn, make, backend, mode, floor, ref, breakdown, held_at_start=None):
         assert breakdown is True
         row = {"backend": backend, "ms": 0.035 if backend == "eager" else 0.025,
-               "cold_compile_s": 0.0, "warm_compile_s": None, "kernels_per_call": 4,
-               "peak_mem_bytes": 0, "max_err_vs_eager": None,
-               "breakdown": summarize(OVERLAPPING)}
-        return row, None, None
+               "cold_compile_s": 0.0, "warm_compile_s": None,
+               "peak_mem_bytes": 0, "max_err_vs_eager": None}
+        return row, None, None, lambda: {"kernels_per_call": 4,
+                                         "breakdown": summarize(OVERLAPPING)}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
@@ -218,9 +218,9 @@ def test_run_prints_a_breakdown_per_target_and_backend_and_writes_it_to_json(
     assert format_tables(doc["targets"]) == tables.strip()
 
 
-def _fake_rows(monkeypatch, kernels_again):
+def _fake_rows(monkeypatch):
     """bench.run with measure and do_bench replaced: eager takes 3, 1, 2, 9, 2 ms in its five
-    rounds, fusion 1.5 ms in each; returns the order the rounds timed the backends in."""
+    rounds, fusion 1.5 ms in each; returns the order of the timed calls and the profiles."""
     import torch
     import triton.testing
 
@@ -228,9 +228,9 @@ def _fake_rows(monkeypatch, kernels_again):
 
     def fake_measure(fn, make, backend, mode, floor, ref, breakdown, held_at_start=None):
         row = {"backend": backend, "ms": 5.0, "cold_compile_s": 0.0, "warm_compile_s": None,
-               "kernels_per_call": 4, "peak_mem_bytes": 0, "max_err_vs_eager": None,
-               "_check": lambda: kernels_again}
-        return row, None, lambda: backend
+               "peak_mem_bytes": 0, "max_err_vs_eager": None}
+        return row, None, lambda: backend, \
+            lambda: order.append(f"profile {backend}") or {"kernels_per_call": 4}
 
     def fake_do_bench(fn, warmup, rep, return_mode):
         order.append(fn())
@@ -245,27 +245,20 @@ def _fake_rows(monkeypatch, kernels_again):
     return order
 
 
-def test_latency_is_the_median_of_interleaved_rounds(monkeypatch, tmp_path):
-    order = _fake_rows(monkeypatch, kernels_again=4)
+def test_latency_is_the_median_of_interleaved_rounds_and_profiling_comes_last(monkeypatch,
+                                                                             tmp_path):
+    """The profiler runs after every timed call: a profiler session slows later calls of the
+    same process (GPT-2 with fusion on the H200: 2.54 -> 3.81 ms)."""
+    order = _fake_rows(monkeypatch)
     doc = bench.run([("toy", None, None, False)], ("eager", "fusion"),
                     out_path=tmp_path / "b.json")
-    assert order == ["eager", "fusion", "fusion", "eager"] * 2 + ["eager", "fusion"]
+    assert order == ["eager", "fusion", "fusion", "eager"] * 2 + ["eager", "fusion"] \
+        + ["profile eager", "profile fusion"]
     eager, fusion = doc["targets"]["toy"]["eager"], doc["targets"]["toy"]["fusion"]
     assert eager["ms"] == 2.0 and eager["ms_rounds"] == [3.0, 1.0, 2.0, 9.0, 2.0]
     assert eager["ms_alone"] == 5.0 and fusion["ms"] == 1.5
     assert fusion["speedup_vs_eager"] == pytest.approx(2.0 / 1.5)
-    assert "_check" not in fusion and json.loads((tmp_path / "b.json").read_text())
-
-
-def test_rounds_that_ran_another_graph_are_discarded(monkeypatch, capsys):
-    import sys
-    _fake_rows(monkeypatch, kernels_again=7)
-    doc = bench.run([("toy", None, None, False)], ("eager", "fusion"), progress=sys.stderr)
-    for backend in ("eager", "fusion"):
-        row = doc["targets"]["toy"][backend]
-        assert row["ms"] == 5.0 and row["rounds_discarded"] == "7 kernels per call after the " \
-                                                               "rounds, 4 before"
-    assert "toy / fusion: interleaved times discarded" in capsys.readouterr().err
+    assert fusion["kernels_per_call"] == 4 and json.loads((tmp_path / "b.json").read_text())
 
 
 @pytest.mark.parametrize("flag, expected", [(["--breakdown"], True), ([], False)])

@@ -351,6 +351,27 @@ def test_compile_failure_is_one_line_with_status_1(capsys, tiny):
     assert "same reduction dim" in lines[0]                 # the error under dynamo's wrapper
 
 
+def test_a_graph_the_compiler_failed_on_is_reported_in_every_format(capsys, tiny, monkeypatch,
+                                                                    tmp_path):
+    """An internal error in a pass leaves the graph on ATen (the model still runs); the dump says
+    so, with the error, in every format, instead of failing itself."""
+    from fusion_compiler.passes import fuse
+
+    def broken(gm, ctx):
+        raise RuntimeError("pass broke here")
+    monkeypatch.setattr(fuse, "run", broken)
+    monkeypatch.delenv("FUSION_COMPILER_STRICT")        # the tests' default: raise
+    rc, out, err = dump(capsys, tiny)
+    assert rc == 0, err
+    assert "compiling this graph failed; it runs on ATen unfused: RuntimeError: pass broke here" \
+        in out, out
+    (graph,) = dump_json(capsys, tiny)["graphs"]
+    assert graph["error"] == "RuntimeError: pass broke here" and graph["groups"] == []
+    for fmt in ("dot", "html"):
+        rc, _, err = dump(capsys, tiny, "--format", fmt, "-o", tmp_path / f"d.{fmt}")
+        assert rc == 0, err
+
+
 def test_missing_target_is_an_argparse_error(capsys):
     assert main(["dump"]) == 2
     err = capsys.readouterr().err

@@ -205,37 +205,6 @@ def test_chains_from_untrusted_roots_are_left_alone():
     assert torch.equal(gm(x)[0], (x.cumsum(1).view(24).unsqueeze(0) * 2.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
-    """``arange`` and ``full`` with constant arguments (a mask's positions) are made when the
-    graph is compiled and read from then on; one returned to the caller is made on each call
-    (the caller may write to it). The numbers are eager's, on every call."""
-    def fn(x, ids):
-        pos = torch.arange(0, x.shape[1], device=x.device)
-        mask = pos[None, :] <= pos[:, None]                       # causal, from constants
-        rows = torch.index_select(x, 0, ids)                      # stays on ATen
-        scale = torch.full((), 0.5, device=x.device, dtype=x.dtype)
-        return (rows * scale).masked_fill(~mask[: x.shape[0]], 0.0), \
-            torch.arange(3, device=x.device)
-
-    x = torch.randn(7, 7, device=device, dtype=dtype)
-    ids = torch.randint(0, 7, (7,), device=device)
-    out, reports, gm = _compiled_graph(monkeypatch, fn, (x, ids))
-    calls = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    constants = [n for n in gm.graph.nodes if n.op == "get_attr"]
-    assert torch.ops.aten.full.default not in calls and len(constants) >= 2, gm.code
-    assert torch.ops.aten.arange.start_step in calls or torch.ops.aten.arange.default in calls \
-        or torch.ops.aten.arange.start in calls, gm.code         # the returned one
-    expected = fn(x, ids)
-    for a, e in zip(out, expected):
-        assert_close(a, e, dtype=a.dtype if a.is_floating_point() else None)
-    out[1].add_(100)                        # the caller's own tensor
-    with torch.no_grad():
-        again = gm(x, ids)                  # the compiled graph, called again
-    for a, e in zip(again, expected):
-        assert_close(a, e, dtype=a.dtype if a.is_floating_point() else None)
-
-
 def test_a_view_of_a_collapsed_chain_is_collapsed_too(monkeypatch, device):
     """A chain's end read both by an op and by another view: the end becomes one call, and the
     view after it one call from there (its traced layout is certain too)."""

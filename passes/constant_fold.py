@@ -1,0 +1,202 @@
+"""Constant folding: tensors computed from constants alone are computed once, at compile time.
+
+Hugging Face's GPT-2 builds its attention mask from the positions, and the positions from
+``arange(seq)``: with no ``attention_mask`` given, ``arange -> cat/sub/ne -> cumsum -> index ->
+le/eq/and -> where`` depends on no input at all, yet runs on every call (on the H200's host,
+``index`` 46 us and ``cumsum`` 34 us each, beside the kernels the rest becomes). Here every value
+whose inputs are all constants is computed once, when the graph is compiled, and the graph reads
+the kept tensor (a non-persistent buffer of the graph module).
+
+A value is folded when
+- it is a call of an ATen op that is pure: no mutable argument, not random
+  (``nondeterministic_seeded``), not an ``empty`` (uninitialized memory);
+- every tensor it reads is folded too (so the roots are factories with constant arguments:
+  ``arange(512)``, ``full([], True)``); a size read from an input (``sym_size``) is not constant;
+- the tensor it produces spans at most ``MAX_BYTES`` of memory (a constant is kept for the
+  graph's lifetime), and the op, run now, gives exactly the traced size, strides and dtype.
+Only the values the rest of the graph reads are kept; the other folded nodes disappear. A kept
+value may not be a graph output, or a view of one: the caller could write to it, and eager
+PyTorch returns a new tensor on each call. Those are computed at run time, from kept inputs.
+Nor is a lone factory call kept here (``full([], -inf)``, ``arange(n)``): a kernel that reads it
+makes it for free, as a literal or from its index, where a kept tensor would be one more load.
+Those a kernel did not take in are kept after partition (``factories``, run by fast_calls).
+
+One rewrite uses the folded values: ``embedding(weight, idx)`` with a constant ``idx`` of
+consecutive indices ``[start, start + n)`` (GPT-2's positions) is a slice of the weight's rows,
+a view that fuses into its reader, instead of a gather.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx.node import map_arg
+
+from .pad_gemm import emit
+
+aten = torch.ops.aten
+log = logging.getLogger("fusion_compiler")
+
+MAX_BYTES = 16 << 20
+PREFIX = "_fc_constant"
+UNINITIALIZED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+# factories: results made from their (constant) arguments alone
+FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+             aten.zeros.default, aten.ones.default, aten.scalar_tensor.default}
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Fold ``gm``'s constant values in place; ``ctx.constants`` names each one kept."""
+    values = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _pure(node.target) \
+                and all(a in values for a in node.all_input_nodes):
+            value = _evaluate(node, values)
+            if value is not None:
+                values[node] = value
+    if not values:
+        return gm
+    _consecutive_embeddings(gm, values)
+    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    while True:
+        kept = [n for n in values if any(u not in values for u in n.users)]
+        # a value that is, or is aliased by, an output is computed at run time; so is a lone
+        # factory call, which a kernel reading it computes for free (a literal, an index)
+        left = [n for n in kept if _reaches_output(n, outputs) or n.target in FACTORIES]
+        if not left:
+            break
+        for n in left:
+            del values[n]
+    for node in kept:
+        const = _keep(gm, node, values[node])
+        ctx.constants.append((node.name, const.target, _span_bytes(values[node])))
+    for node in reversed(list(gm.graph.nodes)):
+        if node in values and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    if kept:
+        log.info("fusion-compiler: %d constant tensors computed at compile time (%d nodes)",
+                 len(kept), len(values))
+    return gm
+
+
+def factories(gm: torch.fx.GraphModule) -> int:
+    """The factory calls with constant arguments still in ``gm`` after partition (no kernel
+    took them in: ``arange`` for an ATen op, ``full`` for SDPA's mask) made once, now, and
+    kept; not where the tensor, or a view of it, is returned. How many were kept."""
+    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    kept = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in FACTORIES \
+                or node.all_input_nodes or _reaches_output(node, outputs):
+            continue
+        value = _evaluate(node, {})
+        if value is not None:
+            _keep(gm, node, value)
+            gm.graph.erase_node(node)
+            kept += 1
+    return kept
+
+
+def _pure(target) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags \
+        and schema.name.split("::")[-1] not in UNINITIALIZED
+
+
+def _span_bytes(t: torch.Tensor):
+    """Bytes of memory ``t`` spans (an expanded view: its storage's), or None if symbolic."""
+    sizes, strides = tuple(t.shape), t.stride()
+    if not all(type(v) is int for v in (*sizes, *strides)):
+        return None
+    if 0 in sizes:
+        return 0
+    return (1 + sum((s - 1) * abs(st) for s, st in zip(sizes, strides))) * t.element_size()
+
+
+def _evaluate(node, values):
+    """The node's real value, or None where it cannot be trusted to equal the traced one."""
+    traced = node.meta.get("val")
+    if not isinstance(traced, torch.Tensor) or traced.layout != torch.strided:
+        return None
+    span = _span_bytes(traced)
+    if span is None or span > MAX_BYTES or not isinstance(traced.storage_offset(), int):
+        return None
+    args = map_arg(node.args, values.__getitem__)
+    kwargs = map_arg(node.kwargs, values.__getitem__)
+    try:
+        with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+            value = node.target(*args, **kwargs)
+    except Exception:           # a device this machine lacks, an op that needs its inputs' data
+        return None
+    if not isinstance(value, torch.Tensor) or value.dtype != traced.dtype \
+            or value.device != traced.device or value.shape != traced.shape \
+            or value.stride() != traced.stride() \
+            or value.storage_offset() != traced.storage_offset():
+        return None
+    return value
+
+
+def _reaches_output(node, outputs) -> bool:
+    """Whether ``node``'s tensor, or a view of it, is a graph output."""
+    return node in outputs or any(_aliases(u) and _reaches_output(u, outputs) for u in node.users)
+
+
+def _aliases(node) -> bool:
+    """Whether ``node``'s result may share memory with an input (a view), or is unknown."""
+    if node.op != "call_function" or node.meta.get("fc_launcher") is not None:
+        return False                # a generated kernel's outputs are its own allocations
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    return any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+def _keep(gm, node, value) -> torch.fx.Node:
+    """Replace ``node`` by a get_attr of ``value``, registered on ``gm``."""
+    name = f"{PREFIX}_{node.name}"
+    while hasattr(gm, name):
+        name += "_"
+    gm.register_buffer(name, value, persistent=False)
+    with gm.graph.inserting_before(node):
+        const = gm.graph.get_attr(name)
+    const.meta = dict(node.meta)
+    node.replace_all_uses_with(const)
+    return const
+
+
+def _consecutive_embeddings(gm, values: dict) -> int:
+    """``embedding(w, idx)`` with a folded ``idx`` holding ``start, start + 1, ...`` in order:
+    ``w[start:start + n].view(*idx.shape, dim)``, the same values without a gather."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.embedding.default \
+                or node.args[1] not in values:
+            continue
+        weight, index = node.args[0], values[node.args[1]]
+        w = weight.meta.get("val")
+        if index.dtype not in (torch.int64, torch.int32) or index.numel() == 0 \
+                or not isinstance(w, torch.Tensor) or w.dim() != 2 \
+                or not all(type(s) is int for s in w.shape):
+            continue
+        start = _consecutive_from(index)
+        if start is None or start < 0 or start + index.numel() > w.shape[0]:
+            continue
+        mode = w.fake_mode
+        with gm.graph.inserting_before(node):
+            rows = emit(gm, aten.slice.Tensor, (weight, 0, start, start + index.numel()), mode)
+            view = emit(gm, aten.view.default, (rows, [*index.shape, w.shape[1]]), mode)
+        node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def _consecutive_from(index: torch.Tensor):
+    """``i`` if ``index`` holds ``i, i + 1, ...`` in row-major order, else None."""
+    with torch.utils._python_dispatch._disable_current_modes():     # a real tensor
+        flat = index.reshape(-1)
+        start = int(flat[0])
+        expected = torch.arange(start, start + flat.numel(), device=flat.device, dtype=flat.dtype)
+        return start if torch.equal(flat, expected) else None

@@ -1,0 +1,166 @@
+"""Values computed from constants alone are computed when the graph is compiled
+(passes/constant_fold.py): GPT-2's mask from its positions, a factory's tensor, an embedding of
+consecutive positions (a slice of the weight). Random ops, returned tensors and tensors over the
+size limit are left to run on every call. The numbers are eager's, on every call."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion_compiler.backend as backend
+from fusion_compiler.passes import constant_fold
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _compiled(monkeypatch, fn, args, grad=False):
+    """(outputs, reports, compiled graph modules) of ``fn``."""
+    graphs = []
+    compile_aten_graph = backend.compile_aten_graph
+    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config: graphs.append(
+        compile_aten_graph(gm, kind, config)) or graphs[-1])
+    with torch.set_grad_enabled(grad):
+        out, reports = compile_and_run(fn, args)
+    return out, reports, graphs
+
+
+def _calls(gm):
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def _constants(gm):
+    return [n for n in gm.graph.nodes if n.op == "get_attr"
+            and n.target.startswith(constant_fold.PREFIX)]
+
+
+def gpt2_mask_attention(x):
+    """Hugging Face GPT-2's mask, built from the positions alone (no attention_mask given):
+    packed-sequence starts, their cumsum, a causal and a same-sequence test, where."""
+    b, s = x.shape[:2]
+    pos = torch.arange(s, device=x.device).unsqueeze(0).expand(b, -1)
+    starts = torch.cat([pos[:, :1] - 1, pos], -1)
+    seq = ((starts[:, 1:] - starts[:, :-1]) != 1).cumsum(-1)
+    keep = (pos[:, None, :] <= pos[:, :, None]) & (seq[:, None, :] == seq[:, :, None])
+    mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)
+    return (torch.bmm(x, x.transpose(1, 2)) + mask).softmax(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 7, 5), (3, 33, 8)])
+def test_a_mask_built_from_positions_is_computed_once(monkeypatch, device, dtype, shape):
+    x = torch.randn(*shape, device=device, dtype=dtype)
+    out, reports, (gm,) = _compiled(monkeypatch, gpt2_mask_attention, (x,))
+    assert_close(out, gpt2_mask_attention(x), dtype=dtype)
+    calls = _calls(gm)
+    assert not calls & {torch.ops.aten.cumsum.default, torch.ops.aten.arange.start_step,
+                        torch.ops.aten.arange.default, torch.ops.aten.where.self}, gm.code
+    assert len(_constants(gm)) == 1, gm.code             # the mask, [b, s, s]
+    assert kernel_count(reports) == 1                    # mask add + softmax
+    assert leftover_aten(reports) == ["aten.bmm.default"]
+    (report,) = reports
+    assert [c["bytes"] for c in report.summary["constants"]] == [
+        shape[0] * shape[1] ** 2 * x.element_size()]
+    x2 = torch.randn_like(x)                             # the kept mask serves the next call
+    with torch.no_grad():
+        assert_close(gm(x2)[0], gpt2_mask_attention(x2), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
+    """``arange`` and ``full`` with constant arguments (a mask's positions) are made when the
+    graph is compiled and read from then on; one returned to the caller, or a view of one, is
+    made on each call (the caller may write to it)."""
+    def fn(x, ids):
+        pos = torch.arange(0, x.shape[1], device=x.device)
+        mask = pos[None, :] <= pos[:, None]                       # causal, from constants
+        rows = torch.index_select(x, 0, ids)                      # stays on ATen
+        scale = torch.full((), 0.5, device=x.device, dtype=x.dtype)
+        steps = torch.arange(6, device=x.device)
+        return (rows * scale).masked_fill(~mask[: x.shape[0]], 0.0), steps + 1, steps.view(2, 3)
+
+    x = torch.randn(7, 7, device=device, dtype=dtype)
+    ids = torch.randint(0, 7, (7,), device=device)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x, ids))
+    # kept: the mask, and the scale (a CPU scalar the kernel takes as an argument, made after
+    # partition); masked_fill's fill value is a literal in the kernel; steps is returned
+    assert torch.ops.aten.full.default not in _calls(gm) and len(_constants(gm)) == 2, gm.code
+    assert torch.ops.aten.scalar_tensor.default not in _calls(gm)
+    assert kernel_count(reports) == 2                    # scale and mask; steps + 1
+    expected = fn(x, ids)
+    for a, e in zip(out, expected):
+        assert_close(a, e, dtype=a.dtype if a.is_floating_point() else None)
+    out[1].add_(100)                                     # the caller's own tensors
+    out[2].add_(100)
+    with torch.no_grad():
+        again = gm(x, ids)                               # the compiled graph, called again
+    for a, e in zip(again, expected):
+        assert_close(a, e, dtype=a.dtype if a.is_floating_point() else None)
+
+
+def test_random_tensors_are_made_on_every_call(monkeypatch, device):
+    def fn(x):
+        return x + torch.rand(x.shape[-1], device=x.device) * torch.ones(x.shape[-1], device=x.device)
+
+    x = torch.randn(4, 9, device=device)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
+    with torch.no_grad():
+        again = gm(x)[0]
+    noise = torch.stack([out - x, again - x])
+    assert ((noise >= 0) & (noise < 1)).all()
+    assert not torch.equal(noise[0], noise[1]), "the random tensor was kept"
+    assert kernel_count(reports) == 1
+
+
+def test_constants_over_the_size_limit_are_made_on_every_call(monkeypatch, device):
+    def fn(x):
+        return x * torch.ones(x.shape[-1], device=x.device).cumsum(0)
+
+    x = torch.randn(3, 40, device=device)
+    monkeypatch.setattr(constant_fold, "MAX_BYTES", 40 * 4 - 1)
+    out, _, (gm,) = _compiled(monkeypatch, fn, (x,))
+    assert not _constants(gm) and torch.ops.aten.cumsum.default in _calls(gm), gm.code
+    assert_close(out, fn(x))
+    monkeypatch.setattr(constant_fold, "MAX_BYTES", 40 * 4)
+    out, _, (gm,) = _compiled(monkeypatch, fn, (x,))
+    assert len(_constants(gm)) == 1 and torch.ops.aten.cumsum.default not in _calls(gm), gm.code
+    assert_close(out, fn(x))
+
+
+def embeddings(ids, wte, wpe, start):
+    s = ids.shape[1]
+    consecutive = F.embedding(torch.arange(start, start + s, device=ids.device), wpe)
+    flipped = F.embedding(torch.arange(s, device=ids.device).flip(0), wpe)
+    return F.embedding(ids, wte) + consecutive, flipped * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [0, 3])
+def test_an_embedding_of_consecutive_positions_is_a_slice_of_the_weight(monkeypatch, device,
+                                                                        dtype, start):
+    """GPT-2's position embedding: no gather, the weight's rows read in place by the add's
+    kernel. A constant index that is not consecutive stays a gather."""
+    ids = torch.randint(0, 50, (2, 11), device=device)
+    wte = torch.randn(50, 24, device=device, dtype=dtype)
+    wpe = torch.randn(16, 24, device=device, dtype=dtype)
+    out, reports, (gm,) = _compiled(monkeypatch, embeddings, (ids, wte, wpe, start))
+    for a, e in zip(out, embeddings(ids, wte, wpe, start)):
+        assert_close(a, e, dtype=dtype)
+    assert sorted(leftover_aten(reports)) == ["aten.embedding.default"] * 2  # ids, flipped
+    assert kernel_count(reports) == 2
+    assert len(_constants(gm)) == 1                      # the flipped positions
+
+
+def test_gradients_through_a_consecutive_embedding(monkeypatch, device):
+    ids = torch.randint(0, 50, (2, 11), device=device)
+    wte = torch.randn(50, 24, device=device, requires_grad=True)
+    wpe = torch.randn(16, 24, device=device, requires_grad=True)
+    out, reports, _ = _compiled(monkeypatch, embeddings, (ids, wte, wpe, 2), grad=True)
+    (out[0] * out[0]).sum().backward()
+    got = wte.grad.clone(), wpe.grad.clone()
+    wte.grad = wpe.grad = None
+    expected = embeddings(ids, wte, wpe, 2)
+    assert_close(out[0], expected[0])
+    (expected[0] * expected[0]).sum().backward()
+    assert_close(got[0], wte.grad, name="wte grad")
+    assert_close(got[1], wpe.grad, name="wpe grad")
+    assert kernel_count(reports, "forward") >= 1
