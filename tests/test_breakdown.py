@@ -218,13 +218,13 @@ def test_run_prints_a_breakdown_per_target_and_backend_and_writes_it_to_json(
     assert format_tables(doc["targets"]) == tables.strip()
 
 
-def _fake_rows(monkeypatch):
-    """bench.run with measure and do_bench replaced: eager takes 3, 1, 2, 9, 2 ms in its five
+def _fake_rows(monkeypatch, eager_rounds=(3.0, 1.0, 2.0, 9.0, 2.0)):
+    """bench.run with measure and do_bench replaced: eager takes ``eager_rounds`` ms in its
     rounds, fusion 1.5 ms in each; returns the order of the timed calls and the profiles."""
     import torch
     import triton.testing
 
-    order, eager_ms = [], iter([3.0, 1.0, 2.0, 9.0, 2.0])
+    order, eager_ms = [], iter(eager_rounds)
 
     def fake_measure(fn, make, backend, mode, floor, ref, breakdown, held_at_start=None):
         row = {"backend": backend, "ms": 5.0, "cold_compile_s": 0.0, "warm_compile_s": None,
@@ -259,6 +259,13 @@ def test_latency_is_the_median_of_interleaved_rounds_and_profiling_comes_last(mo
     assert eager["ms_alone"] == 5.0 and fusion["ms"] == 1.5
     assert fusion["speedup_vs_eager"] == pytest.approx(2.0 / 1.5)
     assert fusion["kernels_per_call"] == 4 and json.loads((tmp_path / "b.json").read_text())
+
+
+def test_every_target_is_timed_before_any_is_profiled(monkeypatch):
+    order = _fake_rows(monkeypatch, eager_rounds=[2.0] * 10)
+    bench.run([("a", None, None, False), ("b", None, None, False)], ("eager", "fusion"))
+    profiled = [i for i, o in enumerate(order) if o.startswith("profile")]
+    assert len(order) == 24 and profiled == [20, 21, 22, 23], order
 
 
 @pytest.mark.parametrize("flag, expected", [(["--breakdown"], True), ([], False)])
