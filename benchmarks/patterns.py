@@ -7,17 +7,23 @@ Same definitions and sizes as shared/anchors.py (bf16, 16384 x 4096; SwiGLU and 
 rows a call takes microseconds and the host's state moves a median by 2-5x (session 7, timed
 one backend after another: Inductor's add+RMSNorm at 1 row 78.6 us, at 64 rows 11.0 us), so
 there the three backends are timed in turns, ``--rounds`` times (default 3), and the least
-median counts. That does not cure everything: in turns too, the first cases of a run (1 row)
-read 40-115 us for every backend, eager included.
+median counts. That did not cure everything: in turns too, the first cases of a run read
+20-115 us for every backend, eager included, for about a minute (sessions 7 and 8). That is
+Inductor's pool of compile worker processes starting (one per CPU core, each importing torch)
+beside the timing; Inductor compiles in this process instead here
+(TORCHINDUCTOR_COMPILE_THREADS=1): the kernels it makes are the same.
 """
 import argparse
 import json
+import os
 import time
 
-import torch
-from triton.testing import do_bench
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")     # before torch is imported
 
-from fusion_compiler import patterns as P  # the backend itself is found by its entry point
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fusion_compiler import patterns as P  # noqa: E402  (the backend: by its entry point)
 
 bf = torch.bfloat16
 M, H, I = 16384, 4096, 11008

@@ -157,7 +157,8 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                 reason = cudagraphs.why_not(aten_gm, kind)
                 if reason is None:
                     return cudagraphs.CudaGraphRunner(fn, f"{kind} graph",
-                                                      cudagraphs.static_input_indices())
+                                                      cudagraphs.static_input_indices(),
+                                                      config.cudagraph_copy_outputs)
                 log.info("fusion-compiler: %s graph not captured in a CUDA graph: %s", kind, reason)
             return fn
         return compile_fn

@@ -39,6 +39,9 @@ class Config:
     # Capture inference graphs with static shapes into CUDA graphs (fusion_compiler/cudagraphs.py);
     # also set by torch.compile(..., mode="reduce-overhead").
     cudagraphs: bool = False
+    # With CUDA graphs: copy each output out of the graph's memory after a replay, so results
+    # stay valid after the next call (else, as Inductor does, they are valid until then).
+    cudagraph_copy_outputs: bool = False
     # Threads compiling a graph's Triton kernels at compile time (codegen/precompile.py); 0
     # leaves each kernel to compile on its first launch, one after another.
     compile_threads: int = 8

@@ -10,8 +10,15 @@ How inputs and outputs are handled, so nothing is silently wrong:
   later (weights replaced), the graph is captured again; after ``MAX_CAPTURES`` captures the
   graph runs without CUDA graphs, with a warning.
 - Other inputs are copied into the graph's own input buffers before each replay.
-- Outputs are copied out of the graph's memory after each replay, so a result stays valid
-  after the next call (Inductor instead hands out its pool memory and forbids keeping it).
+- Outputs are the graph's own memory, as with Inductor's ``mode="reduce-overhead"``: a result
+  is valid until the next call of the same compiled graph, which overwrites it. Each output
+  handed out is a tensor of its own (its own storage object over the graph's memory); on the
+  next replay the ones still alive are marked, so reading one of them, or a view of one,
+  raises an error that says to clone it (``STALE``) instead of returning overwritten values.
+  Copying every output instead costs a read and a write of each (GPT-2's 412 MB of logits:
+  ~200 us a call on the H200); ``options={"cudagraph_copy_outputs": True}`` (or
+  FUSION_COMPILER_CUDAGRAPH_COPY_OUTPUTS=1) asks for it, and it is what runs where this torch
+  lacks the C helpers for the first way.
 
 Not captured (the graph runs as usual, and the log says why): training graphs, dynamic
 shapes, CPU tensors, random ops, ops that read device values on the host.
@@ -19,6 +26,7 @@ shapes, CPU tensors, random ops, ops that read device values on the host.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -31,6 +39,16 @@ _UNSAFE = {"rand", "rand_like", "randn", "randn_like", "randint", "randint_like"
            "bernoulli", "normal", "uniform", "exponential", "geometric", "log_normal", "cauchy",
            "multinomial", "native_dropout", "dropout", "_local_scalar_dense", "item", "nonzero",
            "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim"}
+
+
+STALE = ("fusion-compiler: this tensor is an output of a CUDA graph (mode='reduce-overhead') "
+         "that a later call of the same compiled model has overwritten. Clone it "
+         "(out.clone()) before the next call to keep it, or compile with "
+         "options={'cudagraph_copy_outputs': True}.")
+# the C helpers Inductor's CUDA graph trees use for the same purpose (CUDA builds of torch)
+_POOL_OUTPUTS = all(hasattr(torch._C, name) for name in (
+    "_set_storage_access_error_msg", "_construct_storage_from_data_pointer",
+    "_construct_CUDA_Tensor_From_Storage_And_Metadata"))
 
 
 def _op_name(target) -> str:
@@ -67,13 +85,18 @@ def why_not(gm: torch.fx.GraphModule, kind: str) -> str | None:
 class CudaGraphRunner:
     """A boxed callable: runs ``fn`` once as usual, then captures it and replays it."""
 
-    def __init__(self, fn, name: str, static_inputs=()):
+    def __init__(self, fn, name: str, static_inputs=(), copy_outputs=False):
         self.fn, self.name = fn, name
         self.static_inputs = set(static_inputs)     # indices of parameters and buffers
+        self.copy_outputs = copy_outputs or not _POOL_OUTPUTS
         self.warm = False
         self.captures = 0
         self.disabled = False
         self.graph = None
+        # the outputs of the last replay, marked stale when their memory is next written or
+        # freed (the caller's views of them share their storage objects, and the mark)
+        self.handed = []
+        weakref.finalize(self, _mark_stale, self.handed)
 
     _boxed_call = True          # aot_autograd passes the argument list itself
 
@@ -101,6 +124,8 @@ class CudaGraphRunner:
             self.disabled = True
             return self.fn(args)
         self.captures += 1
+        _mark_stale(self.handed)        # the old graph's memory goes with it
+        self.graph = self.outs = None
         args = list(args)
         # parameters, and inputs with overlapping elements (expanded: no buffer can take a
         # copy with their strides), are captured in place
@@ -136,5 +161,29 @@ class CudaGraphRunner:
         return self._replay()
 
     def _replay(self):
+        if self.copy_outputs:
+            self.graph.replay()
+            return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outs]
+        _mark_stale(self.handed)        # about to be overwritten: reading them now raises
         self.graph.replay()
-        return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outs]
+        outs = [_alias(o) if isinstance(o, torch.Tensor) else o for o in self.outs]
+        self.handed.extend(o for o in outs if isinstance(o, torch.Tensor))
+        return outs
+
+
+def _mark_stale(handed: list) -> None:
+    for t in handed:
+        torch._C._set_storage_access_error_msg(t, STALE)
+    handed.clear()
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory with a storage object of its own: marking it stale leaves
+    the graph's own tensor (and the caller's other outputs' storages) alone."""
+    storage = t.untyped_storage()
+    meta = {"nbytes": storage.nbytes(), "data_ptr": storage.data_ptr(), "size": t.shape,
+            "stride": t.stride(), "dtype": t.dtype, "device": t.device,
+            "storage_offset": t.storage_offset()}
+    own = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                        storage.nbytes())
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, own)

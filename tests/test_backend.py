@@ -330,6 +330,9 @@ def test_compile_mode_and_options_set_the_config():
     assert with_compile_args(base, "default").cudagraphs is False
     cfg = with_compile_args(base, None, {"cudagraphs": True, "max_group_ops": 7})
     assert cfg.cudagraphs is True and cfg.max_group_ops == 7
+    assert cfg.cudagraph_copy_outputs is False        # the graph's memory, as Inductor's
+    assert with_compile_args(base, None, {"cudagraph_copy_outputs": True}).cudagraph_copy_outputs
+    assert Config.from_env({"FUSION_COMPILER_CUDAGRAPH_COPY_OUTPUTS": "1"}).cudagraph_copy_outputs
 
 
 @pytest.mark.parametrize("kwargs,match", [

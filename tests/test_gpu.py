@@ -67,10 +67,11 @@ def _tiny_llama():
     return make_model_and_inputs(device="cuda", dtype=torch.bfloat16, batch=2, seq=16)
 
 
-def test_cudagraphs_replay_matches_eager_and_keeps_old_outputs():
+def test_cudagraphs_replay_matches_eager_and_copied_outputs_stay_valid():
     model, (ids,) = _tiny_llama()
     torch._dynamo.reset()
-    fn = torch.compile(model, backend="fusion", mode="reduce-overhead")
+    fn = torch.compile(model, backend="fusion",
+                       options={"cudagraphs": True, "cudagraph_copy_outputs": True})
     with torch.no_grad():
         outs, refs = [], []
         for step in range(5):
@@ -83,6 +84,38 @@ def test_cudagraphs_replay_matches_eager_and_keeps_old_outputs():
         model.lm_head.weight.data = model.lm_head.weight.data * 0.5
         x = torch.randint(0, 256, ids.shape, device="cuda")
         assert_close(fn(x), model(x), name="after new weights")
+
+
+def test_cudagraph_outputs_are_valid_until_the_next_call_then_raise():
+    """mode="reduce-overhead": outputs are the graph's memory, as with Inductor. Each is right
+    until the next call; then reading it, or a view of it, raises and says to clone; a clone
+    stays right. A capture made again (weights moved) frees the old memory: same error."""
+    model, (ids,) = _tiny_llama()
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fusion", mode="reduce-overhead")
+
+    def call():
+        x = torch.randint(0, 256, ids.shape, device="cuda")
+        out = fn(x)
+        expected = model(x)
+        assert_close(out, expected)
+        return out, expected
+
+    with torch.no_grad():
+        call()                                   # a plain call (kernels compile), then
+        call()                                   # the capture and its first replay
+        out, expected = call()                   # a replay
+        last, kept = out[:, -1], out.clone()     # a view and a clone the caller made
+        call()
+        for stale in (out, last):
+            with pytest.raises(RuntimeError, match="overwritten.*clone it"):
+                stale.float().sum().item()
+        assert_close(kept, expected, name="clone")
+        out, _ = call()
+        model.lm_head.weight.data = model.lm_head.weight.data * 0.5    # captured again
+        call()
+        with pytest.raises(RuntimeError, match="overwritten"):
+            out.float().sum().item()
 
 
 def test_cudagraphs_option_is_used_only_where_safe():
