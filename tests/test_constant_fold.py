@@ -164,3 +164,20 @@ def test_gradients_through_a_consecutive_embedding(monkeypatch, device):
     assert_close(got[0], wte.grad, name="wte grad")
     assert_close(got[1], wpe.grad, name="wpe grad")
     assert kernel_count(reports, "forward") >= 1
+
+
+def test_sizes_from_the_inputs_are_not_constants(monkeypatch, device):
+    """With dynamic shapes, ``arange(x.shape[1])`` depends on the input: nothing is folded,
+    and each size gets its own right mask."""
+    graphs = []
+    compile_aten_graph = backend.compile_aten_graph
+    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config: graphs.append(
+        compile_aten_graph(gm, kind, config)) or graphs[-1])
+    x = torch.randn(2, 7, 5, device=device)
+    with torch.no_grad():
+        out, _ = compile_and_run(gpt2_mask_attention, (x,), dynamic=True)
+        assert_close(out, gpt2_mask_attention(x))
+        fn = torch.compile(gpt2_mask_attention, backend="fusion", dynamic=True, fullgraph=True)
+        y = torch.randn(3, 12, 5, device=device)
+        assert_close(fn(y), gpt2_mask_attention(y))
+    assert graphs and all(not _constants(gm) for gm in graphs)
