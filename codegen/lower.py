@@ -31,6 +31,7 @@ REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
               "aten.amax.default": "max", "aten.amin.default": "min",
               "aten.any.dim": "max"}      # any: the max of (x != 0) as 0.0 / 1.0
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+GATHER = "aten.embedding.default"
 COL = sympy.Symbol("c", integer=True, nonnegative=True)
 
 
@@ -220,7 +221,28 @@ class Lowering:
             return self._pad(vid, args, kw, index, preds)
         if t in ("aten.full_like.default", "aten.scalar_tensor.default"):
             return self._constant(args[0], out.dtype)  # shape and dtype: the IR value's
+        if t == GATHER:
+            return self._embedding(args, index, preds)
         return self._pointwise(vid, op, index, preds)
+
+    def _embedding(self, args, index, preds):
+        """``table[idx[index[:-1]], index[-1]]``: the index is loaded, then the row it names.
+        An index outside the table is a device-side error, as in eager's CUDA embedding
+        (``tl.device_assert``; the kernel is compiled with ``debug``), and the load of the
+        row is masked by the same test, so no address outside the table is read."""
+        table, idx = ref_id(args[0]), ref_id(args[1])
+        if table is None or table >= len(self.ir.inputs) or self.ir.inputs[table].host_scalar:
+            raise NotFusable("an embedding's table is computed in the kernel: it must be loaded")
+        rows = self.ir.values[table].shape[0]
+        i = self.value(idx, index[:-1], preds)
+        if i.dtype != torch.int64:
+            i = self._assign(f"{i.name}.to(tl.int64)", torch.int64, i.row_level)
+        row = sympy.Symbol(i.name, integer=True)
+        self._emit_to(i.row_level, ("assert", f"(0 <= {i.name}) & ({i.name} < {print_expr(rows)})",
+                                    "embedding: index out of range"))
+        inside = frozenset({sympy.Ge(row, 0), sympy.Lt(row, rows)})
+        return self._load(table, (row, index[-1]), preds | inside,
+                          self.ir.values[table].stride, sympy.Integer(0))
 
     def _reduction_value(self, vid, index):
         rows = self.full[:-1]

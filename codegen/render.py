@@ -13,8 +13,8 @@ import torch
 
 from . import ops
 from .indexing import coalesce, flatten_index, print_expr
-from .kernel_ir import KernelIR, NotFusable
-from .lower import COL, Lowering, LoweredKernel, iteration_space
+from .kernel_ir import KernelIR, NotFusable, ref_id
+from .lower import COL, GATHER, Lowering, LoweredKernel, iteration_space
 from .multipart import split
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
@@ -44,6 +44,11 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
     launcher = _render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block)
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
+
+
+def checks_indices(ir: KernelIR) -> bool:
+    """Whether the kernel gathers by index (and asserts the indices in range)."""
+    return any(op.target == GATHER for op in ir.ops)
 
 
 def multipart_parts(ir: KernelIR):
@@ -121,7 +126,11 @@ def _header(ir, title, kind):
     def nbytes(values):
         return sympy.simplify(sum((sympy.Mul(*v.shape) * v.dtype.itemsize for v in values),
                                   sympy.Integer(0)))
-    read = nbytes(ir.inputs)
+    tables = {ref_id(op.args[0]): ir.values[len(ir.inputs) + j]
+              for j, op in enumerate(ir.ops) if op.target == GATHER}
+    # a table is read by rows: at most what the gather produces
+    read = nbytes(tables.get(i, v) if i in tables and not v.host_scalar else v
+                  for i, v in enumerate(ir.inputs))
     written = nbytes(ir.values[o] for o in ir.outputs)
     names = [op.target.replace("aten.", "").replace("prims.", "") for op in ir.ops]
     lines = [f"# fusion-compiler: {title} ({kind} kernel)",
@@ -208,6 +217,8 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
             return store(stmt)
         if kind == "assign":
             return [f"{stmt[1].name} = {stmt[2]}"]
+        if kind == "assert":
+            return [f"tl.device_assert({stmt[1]}, {stmt[2]!r})"]
         if kind == "select":
             var, parts = stmt[1], stmt[2]
             expr = ops.cast(parts[-1][1].name, parts[-1][1].dtype, var.dtype)
@@ -253,7 +264,9 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
             "numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
         nospec = None   # Triton specializes numel % 16 == 0: the mask then keeps loads vectorised
     sig = "\n".join("    " + p for p in params)
-    deco = f"@triton.jit(do_not_specialize=[{nospec}])" if nospec else "@triton.jit"
+    options = ([f"do_not_specialize=[{nospec}]"] if nospec else []) \
+        + (["debug=True"] if checks_indices(lk.ir) else [])      # tl.device_assert is live
+    deco = f"@triton.jit({', '.join(options)})" if options else "@triton.jit"
     src = f"{deco}\ndef {name}(\n{sig}\n):\n{code}"
     return src, size_args
 
@@ -413,7 +426,10 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
                         + [f"{a} & 15, {a} == 1" for a in ints])
         pos = ", ".join(addrs + runtime + constexprs)
         kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs[:-1]]
-                       + ["INDEX64=index64", "num_warps=num_warps"])
+                       + ["INDEX64=index64", "num_warps=num_warps"]
+                       # debug would also check every int32 add for overflow, as Inductor's
+                       # kernels with index asserts, it asks for the asserts alone
+                       + (["sanitize_overflow=False"] if checks_indices(ir) else []))
         pad = " " * ind
         return [f"{pad}key = ({key},)",
                 f"{pad}k = _COMPILED_{name}.get(key)",

@@ -64,6 +64,7 @@ OP_KINDS: dict = {
     aten.expand.default: OpKind.BROADCAST,
     aten.cat.default: OpKind.INJECTIVE,
     aten.constant_pad_nd.default: OpKind.INJECTIVE,
+    aten.embedding.default: OpKind.INJECTIVE,     # a gather: rows of a table by index
 }
 
 # Tensor dtypes a generated kernel can load, compute on and store.
@@ -112,7 +113,20 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
             return OpKind.OPAQUE
     if kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):
         return OpKind.OPAQUE
+    if node.target is aten.embedding.default and not _is_plain_embedding(node):
+        return OpKind.OPAQUE
     return kind
+
+
+def _is_plain_embedding(node: torch.fx.Node) -> bool:
+    """``embedding(table, idx)`` with a 2-d table read in place and integer indices; the
+    training-only arguments (padding_idx, scale_grad_by_freq, sparse) change no forward value."""
+    table, idx = node.args[0], node.args[1]
+    if not isinstance(table, torch.fx.Node) or not isinstance(idx, torch.fx.Node):
+        return False
+    t, i = table.meta.get("fc_tensor"), idx.meta.get("fc_tensor")
+    return t is not None and i is not None and t.ndim == 2 \
+        and i.dtype in (torch.int32, torch.int64) and not is_host_scalar(i)
 
 
 def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:

@@ -9,7 +9,8 @@ A model launches its kernels back to back: while the GPU runs one kernel the hos
 next, so a kernel costs whichever side is slower, not their sum (the sum over-predicted the
 measured time of Llama 4 x 1024's fused kernels by a median 31% on the H200; the max: 11%).
 bytes_moved counts each distinct tensor a kernel reads once, at its own size (a broadcast
-operand is read at its size, not the result's), and each output once. A looped row kernel that
+operand is read at its size, not the result's), and each output once; a table read only by
+embeddings, at the bytes of the rows they gather (at most its size). A looped row kernel that
 makes P passes over its rows reads its per-element inputs P times from HBM, unless those inputs
 together fit in half the L2 cache: then the passes after the first hit L2 and cost no HBM bytes
 (add+LayerNorm over 64 rows of 65536: 16 MB re-read, the H200's L2 is 50 MB). flops counts one
@@ -136,15 +137,18 @@ def op_flops(node, size_hints: dict) -> int:
 
 
 def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile,
-                members=(), reread=()) -> KernelCost:
+                members=(), reread=(), gathered=None) -> KernelCost:
     """Cost of one kernel reading ``inputs``, computing ``members`` and writing ``outputs``
     (FX nodes). ``row_inputs`` are the inputs re-read on each of ``passes`` passes (looped row
     kernels); ``reread``, inputs read once more each (by another part of a multi-part
-    kernel). A re-read comes from L2, not HBM, when what is re-read fits in half of it."""
+    kernel). A re-read comes from L2, not HBM, when what is re-read fits in half of it.
+    ``gathered``: the bytes read of inputs read by index (embedding tables), not their size."""
+    gathered = gathered or {}
     if passes > 1 and 2 * sum(tensor_bytes(n, size_hints)
                               for n in row_inputs) <= profile.l2_bytes:
         passes = 1                          # the later passes read L2, not HBM
-    read = sum(tensor_bytes(n, size_hints) * (passes if n in row_inputs else 1) for n in inputs)
+    read = sum((gathered[n] if n in gathered else tensor_bytes(n, size_hints))
+               * (passes if n in row_inputs else 1) for n in inputs)
     reread_bytes = sum(tensor_bytes(n, size_hints) for n in reread)
     if 2 * reread_bytes > profile.l2_bytes:
         read += reread_bytes

@@ -164,6 +164,12 @@ def _sm90_cases():
                   (torch.randn(5, 37), torch.tensor(2.5)), {}))
     cases.append(("fp64 tanh (libdevice's)", lambda x: torch.tanh(x * 2.0) + 1.0,
                   (torch.randn(5, 37, dtype=torch.float64),), {}))
+    cases.append(("embedding, positions and layernorm (a gather, its index assert)",
+                  lambda ids, wte, wpe, w, b: torch.nn.functional.layer_norm(
+                      torch.nn.functional.embedding(ids, wte) + wpe[: ids.shape[1]], (24,), w, b),
+                  (torch.randint(0, 50, (2, 7)), torch.randn(50, 24, dtype=torch.bfloat16),
+                   torch.randn(16, 24, dtype=torch.bfloat16), torch.randn(24, dtype=torch.bfloat16),
+                   torch.randn(24, dtype=torch.bfloat16)), {}))
     cases.append(("attention inputs (three parts)", gqa_attention,
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                    torch.randn(9, 16), torch.randn(9, 16)), {}))

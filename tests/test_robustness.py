@@ -109,9 +109,6 @@ FALLBACK = {
     "matmul": (lambda a, w: (a.relu() @ w).sigmoid() * 2,
                lambda d: (torch.randn(8, 16, device=d), torch.randn(16, 4, device=d)),
                "aten.mm", 2),
-    "embedding": (lambda w, i: F.embedding(i, w * 2).exp(),
-                  lambda d: (torch.randn(6, 8, device=d), torch.tensor([[0, 5], [3, 3]], device=d)),
-                  "aten.embedding", 2),
 }
 
 

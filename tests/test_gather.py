@@ -1,0 +1,133 @@
+"""Embeddings gathered inside the kernels that read them (codegen/lower.py ``_embedding``):
+GPT-2's token embedding + positions + LayerNorm, BERT's three embeddings + LayerNorm, each one
+kernel. The table is read by rows (the cost model charges the rows, not the table), and an
+index outside it is a device-side error as in eager's CUDA embedding."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def gpt2_embeddings(ids, wte, wpe, w, b):
+    h = F.embedding(ids, wte) + wpe[: ids.shape[1]]
+    return F.layer_norm(h, (h.shape[-1],), w, b)
+
+
+def bert_embeddings(ids, types, wte, wpe, wtt, w, b):
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    h = F.embedding(ids, wte) + F.embedding(types, wtt) + F.embedding(pos, wpe)
+    return F.layer_norm(h, (h.shape[-1],), w, b, eps=1e-12)
+
+
+def _weights(n, dim, dtype, device):
+    return torch.randn(n, dim, device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, vocab, dim", [((2, 7), 50, 24), ((3, 13), 1000, 80)])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_token_embedding_positions_and_layernorm_are_one_kernel(dtype, shape, vocab, dim,
+                                                               index_dtype, device):
+    ids = torch.randint(0, vocab, shape, device=device, dtype=index_dtype)
+    ids[0, 0], ids[-1, -1] = 0, vocab - 1                   # the table's first and last rows
+    args = (ids, _weights(vocab, dim, dtype, device), _weights(32, dim, dtype, device),
+            torch.randn(dim, device=device, dtype=dtype), torch.randn(dim, device=device, dtype=dtype))
+    out, reports = compile_and_run(gpt2_embeddings, args)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, gpt2_embeddings(*args), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bert_embeddings_are_one_kernel(dtype, device):
+    ids = torch.randint(0, 300, (3, 11), device=device)
+    types = torch.randint(0, 2, (3, 11), device=device)
+    args = (ids, types, _weights(300, 40, dtype, device), _weights(64, 40, dtype, device),
+            _weights(2, 40, dtype, device), torch.randn(40, device=device, dtype=dtype),
+            torch.randn(40, device=device, dtype=dtype))
+    out, reports = compile_and_run(bert_embeddings, args)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, bert_embeddings(*args), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_into_pointwise_ops_and_alone(dtype, device):
+    ids = torch.randint(0, 70, (5, 3, 2), device=device)
+    table = _weights(70, 33, dtype, device)
+    for fn in (lambda i, t: F.embedding(i, t) * 2.0 + 1.0, lambda i, t: F.embedding(i, t)):
+        out, reports = compile_and_run(fn, (ids, table))
+        assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+        assert_close(out, fn(ids, table), dtype=dtype)
+
+
+def test_a_table_computed_in_the_graph_is_written_then_gathered(device):
+    """The kernel must load the table: a table computed from other ops is not gathered from
+    registers (the group that would do it is refused), and the numbers stay right."""
+    ids = torch.randint(0, 20, (4, 6), device=device)
+    table, scale = torch.randn(20, 16, device=device), torch.randn(16, device=device)
+
+    def fn(i, t, s):
+        return F.embedding(i, t * s).relu()
+    out, reports = compile_and_run(fn, (ids, table, scale))
+    assert_close(out, fn(ids, table, scale))
+    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+
+
+def test_the_table_is_charged_by_the_rows_read(device):
+    """A 5000-row table, 14 indices: the fused group reads 14 rows of it, not the table."""
+    ids = torch.randint(0, 5000, (2, 7), device=device)
+    table = torch.randn(5000, 64, device=device)
+    out, reports = compile_and_run(lambda i, t: F.embedding(i, t) * 3.0, (ids, table))
+    (group,) = reports[0].summary["groups"]
+    assert group["bytes_fused"] == 14 * 64 * 4 + ids.numel() * 8 + 14 * 64 * 4
+    (kernel,) = reports[0].kernels
+    source = open(kernel["path"]).read()
+    assert "tl.device_assert((0 <= x" in source and "< 5000), 'embedding: index out of range'" \
+        in source
+    assert "debug=True" in source and "sanitize_overflow=False" in source
+
+
+def test_gradients_through_a_fused_embedding(device):
+    ids = torch.randint(0, 50, (2, 9), device=device)
+    wte = torch.randn(50, 24, device=device, requires_grad=True)
+    wpe = torch.randn(16, 24, device=device, requires_grad=True)
+    w, b = torch.randn(24, device=device), torch.randn(24, device=device)
+    torch._dynamo.reset()
+    out = torch.compile(gpt2_embeddings, backend="fusion")(ids, wte, wpe, w, b)
+    (out * out).sum().backward()
+    got = wte.grad.clone(), wpe.grad.clone()
+    wte.grad = wpe.grad = None
+    expected = gpt2_embeddings(ids, wte, wpe, w, b)
+    (expected * expected).sum().backward()
+    assert_close(out, expected)
+    assert_close(got[0], wte.grad, name="wte grad")
+    assert_close(got[1], wpe.grad, name="wpe grad")
+
+
+_OUT_OF_RANGE = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    ids = torch.tensor([[0, 3, 50]], device="cuda")
+    table = torch.randn(50, 16, device="cuda")
+    out = torch.compile(lambda i, t: F.embedding(i, t) * 2.0, backend="fusion")(ids, table)
+    torch.cuda.synchronize()
+    print("no error", out.sum().item())
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device-side assert needs a GPU")
+def test_an_index_outside_the_table_is_a_device_side_error():
+    """As eager's CUDA embedding: a device-side assert (in a process of its own: it leaves
+    the CUDA context unusable), never values read from outside the table."""
+    proc = subprocess.run([sys.executable, "-c", _OUT_OF_RANGE], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "no error" not in proc.stdout, proc.stdout
+    assert "index out of range" in proc.stderr or "device-side assert" in proc.stderr, \
+        proc.stderr[-2000:]
