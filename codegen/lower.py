@@ -31,7 +31,7 @@ REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
               "aten.amax.default": "max", "aten.amin.default": "min",
               "aten.any.dim": "max"}      # any: the max of (x != 0) as 0.0 / 1.0
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
-GATHER = "aten.embedding.default"
+GATHERS = {"aten.embedding.default", "aten.gather.default"}
 COL = sympy.Symbol("c", integer=True, nonnegative=True)
 
 
@@ -101,6 +101,7 @@ class Lowering:
         self.loads, self.stores, self.tail = [], [], []
         self.levels = self._reduction_levels()
         self.pending = []       # statements that follow the reductions of the current phase
+        self.loaded_syms = {}   # symbol of a loaded index (gathers) -> whether it is per element
         self.uses = [0] * len(ir.values)        # readers of each value (ops and stores)
         for op in ir.ops:
             for a in _flat(op.args):
@@ -186,7 +187,10 @@ class Lowering:
             self._emit_to(False, ("assign", var, f"in{in_id}"))
             return var
         offset = base + self._offset(index, stride)
-        row_level = self.kind != "row" or offset.has(COL) or any(p.has(COL) for p in preds)
+        # an index loaded per element (a gather's) makes what it addresses per element too
+        per_element = {COL} | {s for s, level in self.loaded_syms.items() if level}
+        row_level = self.kind != "row" or bool(
+            (offset.free_symbols | set().union(*(p.free_symbols for p in preds))) & per_element)
         var = Var(self._name("x"), self.ir.inputs[in_id].dtype, row_level)
         self.loads.append((var, in_id, offset, preds))
         self._emit_to(row_level, ("load", var, in_id, offset, preds))
@@ -221,8 +225,10 @@ class Lowering:
             return self._pad(vid, args, kw, index, preds)
         if t in ("aten.full_like.default", "aten.scalar_tensor.default"):
             return self._constant(args[0], out.dtype)  # shape and dtype: the IR value's
-        if t == GATHER:
+        if t == "aten.embedding.default":
             return self._embedding(args, index, preds)
+        if t == "aten.gather.default":
+            return self._gather(args, index, preds)
         return self._pointwise(vid, op, index, preds)
 
     def _embedding(self, args, index, preds):
@@ -233,16 +239,31 @@ class Lowering:
         table, idx = ref_id(args[0]), ref_id(args[1])
         if table is None or table >= len(self.ir.inputs) or self.ir.inputs[table].host_scalar:
             raise NotFusable("an embedding's table is computed in the kernel: it must be loaded")
-        rows = self.ir.values[table].shape[0]
-        i = self.value(idx, index[:-1], preds)
-        if i.dtype != torch.int64:
-            i = self._assign(f"{i.name}.to(tl.int64)", torch.int64, i.row_level)
-        row = sympy.Symbol(i.name, integer=True)
-        self._emit_to(i.row_level, ("assert", f"(0 <= {i.name}) & ({i.name} < {print_expr(rows)})",
-                                    "embedding: index out of range"))
-        inside = frozenset({sympy.Ge(row, 0), sympy.Lt(row, rows)})
+        row, inside = self._index(idx, index[:-1], preds, self.ir.values[table].shape[0],
+                                  "embedding")
         return self._load(table, (row, index[-1]), preds | inside,
                           self.ir.values[table].stride, sympy.Integer(0))
+
+    def _gather(self, args, index, preds):
+        """``src[..., idx[index], ...]`` along ``dim``: the index is loaded, then ``src`` is
+        evaluated at the index it names (loaded, or computed there), checked as embedding's."""
+        src, dim, idx = ref_id(args[0]), args[1], ref_id(args[2])
+        shape = self.ir.values[src].shape
+        dim = dim % len(shape)
+        at, inside = self._index(idx, index, preds, shape[dim], "gather")
+        return self.value(src, index[:dim] + (at,) + index[dim + 1:], preds | inside)
+
+    def _index(self, idx, index, preds, size, op):
+        """(the symbol of the index value ``idx`` loaded at ``index``, the predicates that it
+        lies in [0, size)); asserts it there."""
+        i = self.value(idx, index, preds)
+        if i.dtype != torch.int64:
+            i = self._assign(f"{i.name}.to(tl.int64)", torch.int64, i.row_level)
+        at = sympy.Symbol(i.name, integer=True)
+        self.loaded_syms[at] = i.row_level
+        self._emit_to(i.row_level, ("assert", f"(0 <= {i.name}) & ({i.name} < {print_expr(size)})",
+                                    f"{op}: index out of range"))
+        return at, frozenset({sympy.Ge(at, 0), sympy.Lt(at, size)})
 
     def _reduction_value(self, vid, index):
         rows = self.full[:-1]

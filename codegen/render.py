@@ -14,7 +14,7 @@ import torch
 from . import ops
 from .indexing import coalesce, flatten_index, print_expr
 from .kernel_ir import KernelIR, NotFusable, ref_id
-from .lower import COL, GATHER, Lowering, LoweredKernel, iteration_space
+from .lower import COL, GATHERS, Lowering, LoweredKernel, iteration_space
 from .multipart import split
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
@@ -48,7 +48,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
 
 def checks_indices(ir: KernelIR) -> bool:
     """Whether the kernel gathers by index (and asserts the indices in range)."""
-    return any(op.target == GATHER for op in ir.ops)
+    return any(op.target in GATHERS for op in ir.ops)
 
 
 def multipart_parts(ir: KernelIR):
@@ -127,7 +127,7 @@ def _header(ir, title, kind):
         return sympy.simplify(sum((sympy.Mul(*v.shape) * v.dtype.itemsize for v in values),
                                   sympy.Integer(0)))
     tables = {ref_id(op.args[0]): ir.values[len(ir.inputs) + j]
-              for j, op in enumerate(ir.ops) if op.target == GATHER}
+              for j, op in enumerate(ir.ops) if op.target in GATHERS}
     # a table is read by rows: at most what the gather produces
     read = nbytes(tables.get(i, v) if i in tables and not v.host_scalar else v
                   for i, v in enumerate(ir.inputs))

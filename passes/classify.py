@@ -65,6 +65,7 @@ OP_KINDS: dict = {
     aten.cat.default: OpKind.INJECTIVE,
     aten.constant_pad_nd.default: OpKind.INJECTIVE,
     aten.embedding.default: OpKind.INJECTIVE,     # a gather: rows of a table by index
+    aten.gather.default: OpKind.INJECTIVE,        # a gather along one dimension
 }
 
 # Tensor dtypes a generated kernel can load, compute on and store.
@@ -115,7 +116,21 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
         return OpKind.OPAQUE
     if node.target is aten.embedding.default and not _is_plain_embedding(node):
         return OpKind.OPAQUE
+    if node.target is aten.gather.default and not _is_plain_gather(node):
+        return OpKind.OPAQUE
     return kind
+
+
+def _is_plain_gather(node: torch.fx.Node) -> bool:
+    """``gather(src, dim, idx)`` with int64 indices of src's rank (sparse_grad: no forward
+    difference)."""
+    src, dim, idx = node.args[:3]
+    if not isinstance(src, torch.fx.Node) or not isinstance(idx, torch.fx.Node) \
+            or not isinstance(dim, int):
+        return False
+    s, i = src.meta.get("fc_tensor"), idx.meta.get("fc_tensor")
+    return s is not None and i is not None and s.ndim == i.ndim >= 1 \
+        and i.dtype == torch.int64 and not is_host_scalar(i)
 
 
 def _is_plain_embedding(node: torch.fx.Node) -> bool:

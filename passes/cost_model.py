@@ -9,8 +9,8 @@ A model launches its kernels back to back: while the GPU runs one kernel the hos
 next, so a kernel costs whichever side is slower, not their sum (the sum over-predicted the
 measured time of Llama 4 x 1024's fused kernels by a median 31% on the H200; the max: 11%).
 bytes_moved counts each distinct tensor a kernel reads once, at its own size (a broadcast
-operand is read at its size, not the result's), and each output once; a table read only by
-embeddings, at the bytes of the rows they gather (at most its size). A looped row kernel that
+operand is read at its size, not the result's), and each output once; an input read only by
+gathers (an embedding table), at the bytes they gather (at most its size). A looped row kernel that
 makes P passes over its rows reads its per-element inputs P times from HBM, unless those inputs
 together fit in half the L2 cache: then the passes after the first hit L2 and cost no HBM bytes
 (add+LayerNorm over 64 rows of 65536: 16 MB re-read, the H200's L2 is 50 MB). flops counts one

@@ -128,21 +128,24 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     return group
 
 
+GATHERS = (aten.embedding.default, aten.gather.default)
+
+
 def _gathered(group: FusionGroup, ctx) -> dict:
-    """Inputs read only as embedding tables: the bytes of the rows gathered (at most the whole
-    table), not the table's (GPT-2's token table is 77 MB; 8 x 512 tokens read 6 MB of it)."""
+    """Inputs read only by gathers (embedding tables): the bytes of the elements gathered (at
+    most the whole input), not its size (GPT-2's token table is 77 MB; 8 x 512 tokens read 6 MB
+    of it)."""
     tables: dict = {}
     for m in group.members:
-        if m.target is aten.embedding.default:
+        if m.target in GATHERS:
             out = m.meta["fc_tensor"]
             tables[m.args[0]] = tables.get(m.args[0], 0) + hint(out.numel, ctx.size_hints) \
                 * out.itemsize
     found = {}
     for table, rows in tables.items():
         readers = [u for u in table.users if u in group.nodes]
-        if table in group.inputs and all(u.target is aten.embedding.default
-                                         and u.args[0] is table and table not in u.args[1:]
-                                         for u in readers):
+        if table in group.inputs and all(u.target in GATHERS and u.args[0] is table
+                                         and table not in u.args[1:] for u in readers):
             found[table] = min(rows, tensor_bytes(table, ctx.size_hints))
     return found
 

@@ -131,3 +131,38 @@ def test_an_index_outside_the_table_is_a_device_side_error():
     assert proc.returncode != 0 and "no error" not in proc.stdout, proc.stdout
     assert "index out of range" in proc.stderr or "device-side assert" in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def bert_token_types(ids, type_buffer, pos, wte, wtt, w, b):
+    """Hugging Face BERT's token types when none are given: its zeros buffer gathered at the
+    positions (``gather(buffer.expand(1, -1), 1, pos)``), then embedded, beside the words."""
+    types = torch.gather(type_buffer.expand(1, -1), 1, pos).expand(ids.shape[0], -1)
+    h = F.embedding(ids, wte) + F.embedding(types, wtt)
+    return F.layer_norm(h, (h.shape[-1],), w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gather_of_the_indices_joins_the_kernel(dtype, device):
+    ids = torch.randint(0, 90, (3, 10), device=device)
+    type_buffer = torch.randint(0, 2, (1, 16), device=device)
+    pos = torch.randperm(16, device=device)[:10].view(1, 10)
+    args = (ids, type_buffer, pos, _weights(90, 24, dtype, device), _weights(2, 24, dtype, device),
+            torch.randn(24, device=device, dtype=dtype), torch.randn(24, device=device, dtype=dtype))
+    out, reports = compile_and_run(bert_token_types, args)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, bert_token_types(*args), dtype=dtype)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather_along_any_dim_of_a_computed_source(dim, device):
+    """The source is computed at the gathered positions (no intermediate); along the last dim
+    of a row kernel the index is per element, and so is what it addresses."""
+    a = torch.randn(7, 13, device=device)
+    idx = torch.randint(0, a.shape[dim], (5, 13) if dim == 0 else (7, 9), device=device)
+
+    def fn(a, i):
+        g = torch.gather(a.exp() * 2.0, dim, i)
+        return g / g.sum(-1, keepdim=True)
+    out, reports = compile_and_run(fn, (a, idx))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, fn(a, idx))

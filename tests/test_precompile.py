@@ -170,6 +170,9 @@ def _sm90_cases():
                   (torch.randint(0, 50, (2, 7)), torch.randn(50, 24, dtype=torch.bfloat16),
                    torch.randn(16, 24, dtype=torch.bfloat16), torch.randn(24, dtype=torch.bfloat16),
                    torch.randn(24, dtype=torch.bfloat16)), {}))
+    cases.append(("gather along the row of a softmax (a per-element index)",
+                  lambda a, i: torch.softmax(torch.gather(a * 2.0, 1, i), -1),
+                  (torch.randn(7, 13), torch.randint(0, 13, (7, 9))), {}))
     cases.append(("attention inputs (three parts)", gqa_attention,
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                    torch.randn(9, 16), torch.randn(9, 16)), {}))

@@ -89,8 +89,6 @@ FALLBACK = {
     "index_put": (lambda a, i, v: torch.index_put(a * 2, (i,), v.exp()).sigmoid() + 1,
                   lambda d: (torch.randn(8, 16, device=d), torch.tensor([0, 3, 5], device=d),
                              torch.randn(16, device=d)), "aten.index_put", 2),
-    "gather": (lambda a, i: torch.gather(a * 2, 1, i).exp(),
-               lambda d: (torch.randn(8, 16, device=d), _idx(d)), "aten.gather", 2),
     "cumsum": (lambda a: torch.cumsum(a * 2, -1).softmax(-1),
                lambda d: (torch.randn(8, 16, device=d),), "aten.cumsum", 2),
     "complex64": (lambda a: ((a * 3).to(torch.complex64) * 2).real + 1,
