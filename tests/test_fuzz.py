@@ -2,8 +2,9 @@
 
 Hypothesis draws a random DAG of ops the compiler claims to fuse -- pointwise unary and binary
 ops with broadcasting operands (incl. 0-dim tensors and Python scalars), dtype casts, views
-(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand), ``cat`` along the last
-dim, last-dim reductions (sum/mean/amax/amin, keepdim or not, then broadcast back; softmax) and
+(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand), ``gather`` along a dim
+by an index made from constants, ``cat`` along the last dim, last-dim reductions
+(sum/mean/amax/amin, keepdim or not, then broadcast back; softmax) and
 now and then an op that stays on ATen (cumsum) -- over random shapes (odd sizes included),
 dtypes (fp32/fp16/bf16, mixed), input layouts (contiguous, transposed, sliced, offset,
 expanded) and FUSION_COMPILER_MAX_PERSISTENT_BLOCK (small values make rows use the looped
@@ -73,7 +74,7 @@ FUSED_OP_NAMES = {
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
     "relu", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "gt", "lt", "ge",
     "le", "eq", "ne", "_to_copy", "convert_element_type", "clone", "copy", "cat", "sum", "mean",
-    "amax", "amin",
+    "amax", "amin", "gather",
 }
 
 
@@ -402,8 +403,20 @@ class _Builder:
         sa = self.shape(a)
         r = len(sa)
         kind = kind or d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose",
-                                          "permute", "contiguous", "slice", "expand"]))
+                                          "permute", "contiguous", "slice", "expand",
+                                          "gather"]))
         b = self.bound(a)
+        if kind == "gather":
+            # along one dim, by an index made from constants (folded at compile time): each
+            # position reads position (i * m) % n of that dim, repeats included
+            if r == 0:
+                return None
+            k = d(st.integers(0, r - 1))
+            n, m = sa[k], d(st.sampled_from([1, 2, 3, 5, 7]))
+            at = ", ".join(str(n) if i == k else "1" for i in range(r))
+            index = (f"(torch.arange({n}, device={a}.device) * {m} % {n}).view({at})"
+                     f".expand({', '.join(map(str, sa))})")
+            return self.add("gather", f"torch.gather({a}, {k}, {index})", [a], b)
         if kind == "reshape":
             how = d(st.sampled_from(["merge", "split", "flatten"]))
             if how == "merge" and r >= 2:
@@ -566,7 +579,8 @@ def error_bound(prog: Program, vals: dict) -> dict:
               for a in op.args]
         ein = max(es, default=0.0)
         k = op.kind
-        if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat"):
+        if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat",
+                 "gather"):
             err = ein                                   # exact, Lipschitz 1 (or a selection)
         elif k == "cast":
             err = ein + _flip(y, ein)
