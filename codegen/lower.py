@@ -101,7 +101,7 @@ class Lowering:
         self.loads, self.stores, self.tail = [], [], []
         self.levels = self._reduction_levels()
         self.pending = []       # statements that follow the reductions of the current phase
-        self.loaded_syms = {}   # symbol of a loaded index (gathers) -> whether it is per element
+        self.per_element = {COL}    # symbols that vary along a row: COL, per-element indices
         self.uses = [0] * len(ir.values)        # readers of each value (ops and stores)
         for op in ir.ops:
             for a in _flat(op.args):
@@ -188,9 +188,7 @@ class Lowering:
             return var
         offset = base + self._offset(index, stride)
         # an index loaded per element (a gather's) makes what it addresses per element too
-        per_element = {COL} | {s for s, level in self.loaded_syms.items() if level}
-        row_level = self.kind != "row" or bool(
-            (offset.free_symbols | set().union(*(p.free_symbols for p in preds))) & per_element)
+        row_level = self.kind != "row" or any(e.has(*self.per_element) for e in (offset, *preds))
         var = Var(self._name("x"), self.ir.inputs[in_id].dtype, row_level)
         self.loads.append((var, in_id, offset, preds))
         self._emit_to(row_level, ("load", var, in_id, offset, preds))
@@ -260,7 +258,8 @@ class Lowering:
         if i.dtype != torch.int64:
             i = self._assign(f"{i.name}.to(tl.int64)", torch.int64, i.row_level)
         at = sympy.Symbol(i.name, integer=True)
-        self.loaded_syms[at] = i.row_level
+        if i.row_level:
+            self.per_element.add(at)
         self._emit_to(i.row_level, ("assert", f"(0 <= {i.name}) & ({i.name} < {print_expr(size)})",
                                     f"{op}: index out of range"))
         return at, frozenset({sympy.Ge(at, 0), sympy.Lt(at, size)})

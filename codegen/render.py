@@ -129,8 +129,7 @@ def _header(ir, title, kind):
     tables = {ref_id(op.args[0]): ir.values[len(ir.inputs) + j]
               for j, op in enumerate(ir.ops) if op.target in GATHERS}
     # a table is read by rows: at most what the gather produces
-    read = nbytes(tables.get(i, v) if i in tables and not v.host_scalar else v
-                  for i, v in enumerate(ir.inputs))
+    read = nbytes(tables.get(i, v) for i, v in enumerate(ir.inputs))
     written = nbytes(ir.values[o] for o in ir.outputs)
     names = [op.target.replace("aten.", "").replace("prims.", "") for op in ir.ops]
     lines = [f"# fusion-compiler: {title} ({kind} kernel)",

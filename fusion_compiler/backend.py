@@ -44,7 +44,7 @@ class CompileContext:
     groups: list = field(default_factory=list)
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
-    constants: list = field(default_factory=list)   # (node, buffer, bytes), constant_fold
+    constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
 
 
 def kernel_cache(config: Config):

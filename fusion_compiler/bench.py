@@ -83,6 +83,9 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
     ``breakdown``, GPU time per category)."""
     from triton.testing import do_bench
 
+    # every call in the timed calls' grad mode: grad mode is in Dynamo's guards, so a call with
+    # grad on recompiles (Inductor: ~2640 CUDA kernels counted against 138)
+    grad = torch.no_grad if mode == "inference" else _null
     torch._dynamo.reset()
     held_before = torch.cuda.memory_allocated()
     args = make_inputs()
@@ -91,7 +94,7 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
     step = _training_step(f, fn) if mode == "training" else (lambda *a: f(*a))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.no_grad() if mode == "inference" else _null():
+    with grad():
         out = step(*args)
     torch.cuda.synchronize()
     cold = time.perf_counter() - t0
@@ -104,7 +107,7 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
         f = torch.compile(fn, **compile_args)
         step = _training_step(f, fn) if mode == "training" else (lambda *a: f(*a))
         t0 = time.perf_counter()
-        with torch.no_grad() if mode == "inference" else _null():
+        with grad():
             step(*args)
         torch.cuda.synchronize()
         warm = time.perf_counter() - t0
@@ -113,12 +116,9 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
 
     def call():
         a = fresh[next(calls) % len(fresh)]     # rotate inputs: no cache-resident reruns
-        with torch.no_grad() if mode == "inference" else _null():
+        with grad():
             return step(*a)
     ms = do_bench(call, warmup=25, rep=100, return_mode="median")
-    # in the timed calls' grad mode: grad mode is in Dynamo's guards, so a call with grad on
-    # recompiles (Inductor: ~2640 CUDA kernels counted against 138)
-    grad = torch.no_grad if mode == "inference" else _null
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     with grad():

@@ -154,6 +154,9 @@ class CudaGraphRunner:
             self.disabled = True
             return self.fn(args)
         self.graph, self.outs = graph, outs
+        # what each handed-out output is made from: the same memory and layout on every replay
+        self.alias_meta = [_alias_meta(o) if isinstance(o, torch.Tensor) else None
+                           for o in outs]
         self.stable = [(i, a.data_ptr()) for i, (a, k) in enumerate(zip(args, keep))
                        if k and isinstance(a, torch.Tensor)]
         self.copied = [(i, s) for i, (s, k) in enumerate(zip(static, keep))
@@ -166,8 +169,8 @@ class CudaGraphRunner:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outs]
         _mark_stale(self.handed)        # about to be overwritten: reading them now raises
         self.graph.replay()
-        outs = [_alias(o) if isinstance(o, torch.Tensor) else o for o in self.outs]
-        self.handed.extend(o for o in outs if isinstance(o, torch.Tensor))
+        outs = [o if m is None else _alias(m) for o, m in zip(self.outs, self.alias_meta)]
+        self.handed.extend(o for o, m in zip(outs, self.alias_meta) if m is not None)
         return outs
 
 
@@ -177,13 +180,16 @@ def _mark_stale(handed: list) -> None:
     handed.clear()
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory with a storage object of its own: marking it stale leaves
-    the graph's own tensor (and the caller's other outputs' storages) alone."""
+def _alias_meta(t: torch.Tensor) -> dict:
     storage = t.untyped_storage()
-    meta = {"nbytes": storage.nbytes(), "data_ptr": storage.data_ptr(), "size": t.shape,
+    return {"nbytes": storage.nbytes(), "data_ptr": storage.data_ptr(), "size": t.shape,
             "stride": t.stride(), "dtype": t.dtype, "device": t.device,
             "storage_offset": t.storage_offset()}
-    own = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
-                                                        storage.nbytes())
+
+
+def _alias(meta: dict) -> torch.Tensor:
+    """A tensor over a graph output's memory (``_alias_meta``) with a storage object of its
+    own: marking it stale leaves the graph's own tensor (and the other outputs) alone."""
+    own = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"],
+                                                        meta["nbytes"])
     return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, own)

@@ -102,7 +102,7 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
     return {
         "kind": ctx.kind, "profile": ctx.profile.name, "groups": groups, "aten_ops": aten,
         "refused": refused, "edges": edges,
-        "constants": [{"node": name, "bytes": size} for name, _, size in ctx.constants],
+        "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
         "totals": {
             "fusible_ops": len(in_groups),
             "kernels_before": len(in_groups),

@@ -67,6 +67,7 @@ OP_KINDS: dict = {
     aten.embedding.default: OpKind.INJECTIVE,     # a gather: rows of a table by index
     aten.gather.default: OpKind.INJECTIVE,        # a gather along one dimension
 }
+GATHERS = (aten.embedding.default, aten.gather.default)   # checked by _is_plain_gather
 
 # Tensor dtypes a generated kernel can load, compute on and store.
 KERNEL_DTYPES = {
@@ -114,34 +115,27 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
             return OpKind.OPAQUE
     if kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):
         return OpKind.OPAQUE
-    if node.target is aten.embedding.default and not _is_plain_embedding(node):
-        return OpKind.OPAQUE
-    if node.target is aten.gather.default and not _is_plain_gather(node):
+    if node.target in GATHERS and not _is_plain_gather(node):
         return OpKind.OPAQUE
     return kind
 
 
 def _is_plain_gather(node: torch.fx.Node) -> bool:
-    """``gather(src, dim, idx)`` with int64 indices of src's rank (sparse_grad: no forward
-    difference)."""
-    src, dim, idx = node.args[:3]
-    if not isinstance(src, torch.fx.Node) or not isinstance(idx, torch.fx.Node) \
-            or not isinstance(dim, int):
+    """``embedding(table, idx)`` of a 2-d table by int32/int64 indices, or ``gather(src, dim,
+    idx)`` by int64 indices of src's rank; the other arguments (padding_idx,
+    scale_grad_by_freq, sparse, sparse_grad) change no forward value."""
+    if node.target is aten.embedding.default:
+        (src, idx), dtypes = node.args[:2], (torch.int32, torch.int64)
+    else:
+        (src, dim, idx), dtypes = node.args[:3], (torch.int64,)
+        if not isinstance(dim, int):
+            return False
+    if not isinstance(src, torch.fx.Node) or not isinstance(idx, torch.fx.Node):
         return False
     s, i = src.meta.get("fc_tensor"), idx.meta.get("fc_tensor")
-    return s is not None and i is not None and s.ndim == i.ndim >= 1 \
-        and i.dtype == torch.int64 and not is_host_scalar(i)
-
-
-def _is_plain_embedding(node: torch.fx.Node) -> bool:
-    """``embedding(table, idx)`` with a 2-d table read in place and integer indices; the
-    training-only arguments (padding_idx, scale_grad_by_freq, sparse) change no forward value."""
-    table, idx = node.args[0], node.args[1]
-    if not isinstance(table, torch.fx.Node) or not isinstance(idx, torch.fx.Node):
+    if s is None or i is None or i.dtype not in dtypes or is_host_scalar(i):
         return False
-    t, i = table.meta.get("fc_tensor"), idx.meta.get("fc_tensor")
-    return t is not None and i is not None and t.ndim == 2 \
-        and i.dtype in (torch.int32, torch.int64) and not is_host_scalar(i)
+    return s.ndim == 2 if node.target is aten.embedding.default else s.ndim == i.ndim >= 1
 
 
 def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:

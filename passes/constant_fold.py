@@ -57,7 +57,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if not values:
         return gm
     _consecutive_embeddings(gm, values)
-    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    outputs = graph_outputs(gm)
     while True:
         kept = [n for n in values if any(u not in values for u in n.users)]
         # a value that is, or is aliased by, an output is computed at run time; so is a lone
@@ -68,8 +68,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for n in left:
             del values[n]
     for node in kept:
-        const = _keep(gm, node, values[node])
-        ctx.constants.append((node.name, const.target, _span_bytes(values[node])))
+        _keep(gm, node, values[node])
+        ctx.constants.append((node.name, _span_bytes(values[node])))
     for node in reversed(list(gm.graph.nodes)):
         if node in values and not node.users:
             gm.graph.erase_node(node)
@@ -84,7 +84,7 @@ def factories(gm: torch.fx.GraphModule) -> int:
     """The factory calls with constant arguments still in ``gm`` after partition (no kernel
     took them in: ``arange`` for an ATen op, ``full`` for SDPA's mask) made once, now, and
     kept; not where the tensor, or a view of it, is returned. How many were kept."""
-    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    outputs = graph_outputs(gm)
     kept = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in FACTORIES \
@@ -96,6 +96,11 @@ def factories(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(node)
             kept += 1
     return kept
+
+
+def graph_outputs(gm: torch.fx.GraphModule) -> set:
+    """The nodes the graph returns."""
+    return set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
 
 
 def _pure(target) -> bool:
@@ -166,10 +171,9 @@ def _keep(gm, node, value) -> torch.fx.Node:
     return const
 
 
-def _consecutive_embeddings(gm, values: dict) -> int:
+def _consecutive_embeddings(gm, values: dict) -> None:
     """``embedding(w, idx)`` with a folded ``idx`` holding ``start, start + 1, ...`` in order:
     ``w[start:start + n].view(*idx.shape, dim)``, the same values without a gather."""
-    rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.embedding.default \
                 or node.args[1] not in values:
@@ -189,8 +193,6 @@ def _consecutive_embeddings(gm, values: dict) -> int:
             view = emit(gm, aten.view.default, (rows, [*index.shape, w.shape[1]]), mode)
         node.replace_all_uses_with(view)
         gm.graph.erase_node(node)
-        rewritten += 1
-    return rewritten
 
 
 def _consecutive_from(index: torch.Tensor):

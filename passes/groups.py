@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codegen.kernel_ir import CONSTANT_VALUE_ARG
-from .classify import OpKind
+from .classify import GATHERS, OpKind
 from .cost_model import kernel_cost, tensor_bytes
 from .shapes import hint
-
-aten = torch.ops.aten
 
 TRANSPARENT = {OpKind.VIEW, OpKind.BROADCAST}
 DATA = {OpKind.POINTWISE, OpKind.INJECTIVE, OpKind.REDUCTION}
@@ -126,9 +124,6 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
                              ctx.profile, group.members, gathered=group.gathered)
     return group
-
-
-GATHERS = (aten.embedding.default, aten.gather.default)
 
 
 def _gathered(group: FusionGroup, ctx) -> dict:
