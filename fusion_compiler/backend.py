@@ -56,11 +56,16 @@ def kernel_cache(config: Config):
     return cache
 
 
-def make_context(config: Config, kind: str) -> CompileContext:
-    from .passes.cost_model import resolve_profile
+def make_context(config: Config, kind: str, gm=None) -> CompileContext:
+    """``gm``: the graph to compile; one that will be replayed from a CUDA graph is costed
+    without the host's launch terms (a replay launches every kernel at once; what a kernel
+    still costs is its GPU time, ``kernel_latency`` included)."""
+    from .passes.cost_model import resolve_profile, without_host
 
-    return CompileContext(config=config, kind=kind,
-                          profile=resolve_profile(config.profile, config.cache_dir),
+    profile = resolve_profile(config.profile, config.cache_dir)
+    if config.cudagraphs and gm is not None and cudagraphs.why_not(gm, kind) is None:
+        profile = without_host(profile)
+    return CompileContext(config=config, kind=kind, profile=profile,
                           cache=kernel_cache(config), run_on_cpu=interpreting())
 
 
@@ -77,7 +82,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     and the report says what happened."""
     global _said_cpu
     started = time.perf_counter()
-    ctx = make_context(config, kind)
+    ctx = make_context(config, kind, gm)
     report = GraphReport(kind=kind, ran_kernels=False, nodes_before=len(gm.graph.nodes))
     runs_kernels = "cuda" in _devices(gm) or ctx.run_on_cpu
     if not runs_kernels and not _said_cpu:

@@ -70,6 +70,17 @@ def profile_named(name: str) -> DeviceProfile:
                          "auto") from None
 
 
+def without_host(profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` for a graph replayed from a CUDA graph: no host time per launch, output or
+    input (the replay launches them all in one call), so a kernel costs its GPU time alone.
+    Costed with host terms, a replayed graph's kernels would look launch-bound where they are
+    not, and GPU work added to them (bytes read again, ops recomputed) would look free."""
+    import dataclasses
+
+    return dataclasses.replace(profile, name=f"{profile.name}+cudagraphs", launch_overhead=0.0,
+                               launch_per_output=0.0, launch_per_input=0.0)
+
+
 def resolve_profile(name: str, cache_dir) -> DeviceProfile:
     """``name`` from PROFILES, or "auto": the calibrated profile of the visible GPU if one was
     stored (`fusion-compiler calibrate`), else the defaults of its model, else "generic"."""

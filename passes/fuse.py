@@ -305,7 +305,11 @@ def _recompute_candidate(groups, p, consumers, view, ctx):
     group instead of writing its result, or None when that is not possible or does not pay.
 
     Possible when p has no reduction (a reduction is never duplicated), at least two consumer
-    groups, and nothing else reads it (no ATen op, no graph output)."""
+    groups, and nothing else reads it (no ATen op, no graph output), and p holds no ops that
+    are recomputed already: recomputing again what was recomputed makes chains (a residual
+    stream x1 = x0 + a0, x2 = x1 + a1, ...: each step saves a launch, and each layer's kernels
+    end up reading every earlier layer's output; Llama 1 x 128 on the H200 with a calibrated
+    profile: its 16 RMSNorm kernels measured 4.8 us at the first and 9.3 us at the last)."""
     if len(consumers) < 2:
         return None
     prod = groups[p]
@@ -319,14 +323,16 @@ def _recompute_candidate(groups, p, consumers, view, ctx):
               for c in sorted(consumers)]
     score = prod.cost.time + sum(groups[c].cost.time for c in consumers) - sum(
         g.cost.time for g in merged)
-    if score <= 0:
+    if score <= 0 or prod.recomputed:
         ctx.decisions.append({
             "producer": sorted(n.name for n in prod.members),
             "consumer": sorted(n.name for c in consumers for n in groups[c].members),
             "score_us": score * 1e6, "taken": False, "kind": "recompute",
             "bytes_before": prod.cost.bytes + sum(groups[c].cost.bytes for c in consumers),
             "bytes_after": sum(g.cost.bytes for g in merged),
-            "reason": "unprofitable: recomputing in every consumer moves more than it saves"})
+            "reason": ("holds recomputed ops: recomputing them again would make chains"
+                       if score > 0 else
+                       "unprofitable: recomputing in every consumer moves more than it saves")})
         return None
     return score, merged
 

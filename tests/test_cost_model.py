@@ -306,3 +306,67 @@ def test_pointwise_siblings_of_other_shapes_share_one_multipart_launch():
         [2, 8, 7, 16], [2, 2, 7, 16]]
     taken = [d for d in ctx.decisions if d.get("kind") == "horizontal" and d["taken"]]
     assert len(taken) == 1 and taken[0]["score_us"] > 0
+
+
+def residual_stream(x, *ws):
+    """A pre-norm residual stream as in a decoder: h = h + (rmsnorm(h) @ w), layer after layer.
+    Each h feeds the next layer's RMSNorm and the next residual add, both fusion groups."""
+    from patterns import rmsnorm
+    h = x * 1.0
+    for w in ws:
+        h = h + rmsnorm(h, w[0]) @ w
+    return h
+
+
+def _launch_bound(monkeypatch):
+    """A profile where every launch costs 8.5 us of host time and further inputs nothing (what
+    one `calibrate` on the H200 measured): on bytes alone, recomputing looks free."""
+    prof = dataclasses.replace(H200, name="launch-bound", launch_overhead=8.5e-6,
+                               launch_per_input=0.0, launch_per_output=0.2e-6)
+    monkeypatch.setitem(PROFILES, "launch-bound", prof)
+    return "launch-bound"
+
+
+def test_recompute_does_not_chain_along_a_residual_stream(monkeypatch):
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    ws = [torch.randn(64, 64, dtype=torch.bfloat16) for _ in range(6)]
+    ctx = analyze(residual_stream, x, *ws, profile=_launch_bound(monkeypatch))
+    refused = [d for d in ctx.decisions if d.get("kind") == "recompute" and not d["taken"]
+               and "recomputed ops" in d["reason"]]
+    assert refused and all(d["score_us"] > 0 for d in refused)     # it would have paid, alone
+    for g in ctx.groups:
+        adds = [n for n in g.recomputed if str(n.target) == "aten.add.Tensor"]
+        assert len(adds) <= 1, f"group {g.id} recomputes {len(adds)} residual adds"
+        # each kernel reads its layer's inputs, not every earlier layer's
+        assert len(g.inputs) <= 4, f"group {g.id} reads {len(g.inputs)} tensors"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_stream_runs_correctly(device, dtype, monkeypatch):
+    from helpers import assert_close, compile_and_run, kernel_count
+    monkeypatch.setenv("FUSION_COMPILER_PROFILE", _launch_bound(monkeypatch))
+    x = torch.randn(37, 24, dtype=dtype, device=device)
+    ws = [torch.randn(24, 24, dtype=dtype, device=device) / 5 for _ in range(4)]
+    out, reports = compile_and_run(residual_stream, (x, *ws))
+    # per layer an RMSNorm kernel, and the last residual add: 4 layers, 5 kernels
+    assert kernel_count(reports) == 5
+    assert_close(out, residual_stream(x, *ws))
+
+
+def test_graphs_replayed_from_cuda_graphs_are_costed_without_host_terms(monkeypatch):
+    from fusion_compiler import backend, cudagraphs
+    from fusion_compiler.passes.cost_model import without_host
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    cfg = dataclasses.replace(Config.from_env(), profile="h200", cudagraphs=True)
+    # a graph that cannot be captured (here: CPU tensors) keeps the host's launch costs
+    monkeypatch.setattr(cudagraphs, "why_not", lambda g, kind: "a cpu tensor")
+    assert backend.make_context(cfg, "inference", gm).profile == H200
+    monkeypatch.setattr(cudagraphs, "why_not", lambda g, kind: None)
+    replayed = backend.make_context(cfg, "inference", gm).profile
+    assert replayed == without_host(H200) and replayed.name == "h200+cudagraphs"
+    assert (replayed.launch_overhead, replayed.launch_per_output, replayed.launch_per_input) == (0, 0, 0)
+    assert replayed.kernel_latency == H200.kernel_latency > 0
+    assert replayed.hbm_bandwidth == H200.hbm_bandwidth
+    # without graphs the option changes nothing
+    plain = dataclasses.replace(cfg, cudagraphs=False)
+    assert backend.make_context(plain, "inference", gm).profile == H200
