@@ -47,7 +47,7 @@ STALE = ("fusion-compiler: this tensor is an output of a CUDA graph (mode='reduc
          "options={'cudagraph_copy_outputs': True}.")
 # the C helpers Inductor's CUDA graph trees use for the same purpose (CUDA builds of torch)
 _POOL_OUTPUTS = all(hasattr(torch._C, name) for name in (
-    "_set_storage_access_error_msg", "_construct_storage_from_data_pointer",
+    "_set_storage_data_ptr_access_error_msg", "_construct_storage_from_data_pointer",
     "_construct_CUDA_Tensor_From_Storage_And_Metadata"))
 
 
@@ -93,8 +93,8 @@ class CudaGraphRunner:
         self.captures = 0
         self.disabled = False
         self.graph = None
-        # the outputs of the last replay, marked stale when their memory is next written or
-        # freed (the caller's views of them share their storage objects, and the mark)
+        # the storages of the last replay's outputs, marked stale when their memory is next
+        # written or freed (the caller's views of an output share its storage, and the mark)
         self.handed = []
         weakref.finalize(self, _mark_stale, self.handed)
 
@@ -155,8 +155,8 @@ class CudaGraphRunner:
             return self.fn(args)
         self.graph, self.outs = graph, outs
         # what each handed-out output is made from: the same memory and layout on every replay
-        self.alias_meta = [_alias_meta(o) if isinstance(o, torch.Tensor) else None
-                           for o in outs]
+        self.alias_meta = [(i, _alias_meta(o)) for i, o in enumerate(outs)
+                           if isinstance(o, torch.Tensor)]
         self.stable = [(i, a.data_ptr()) for i, (a, k) in enumerate(zip(args, keep))
                        if k and isinstance(a, torch.Tensor)]
         self.copied = [(i, s) for i, (s, k) in enumerate(zip(static, keep))
@@ -169,14 +169,19 @@ class CudaGraphRunner:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outs]
         _mark_stale(self.handed)        # about to be overwritten: reading them now raises
         self.graph.replay()
-        outs = [o if m is None else _alias(m) for o, m in zip(self.outs, self.alias_meta)]
-        self.handed.extend(o for o, m in zip(outs, self.alias_meta) if m is not None)
+        outs = list(self.outs)
+        for i, meta in self.alias_meta:
+            outs[i], storage = _alias(meta)
+            self.handed.append(storage)
         return outs
 
 
 def _mark_stale(handed: list) -> None:
-    for t in handed:
-        torch._C._set_storage_access_error_msg(t, STALE)
+    """Mark storages handed out: reading them, through any tensor, raises ``STALE``. The mark
+    is on the storage, not on a tensor (``_set_storage_access_error_msg`` marks one tensor, and
+    a view taken before read overwritten values without an error on the H200)."""
+    for storage in handed:
+        torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, STALE)
     handed.clear()
 
 
@@ -187,9 +192,10 @@ def _alias_meta(t: torch.Tensor) -> dict:
             "storage_offset": t.storage_offset()}
 
 
-def _alias(meta: dict) -> torch.Tensor:
-    """A tensor over a graph output's memory (``_alias_meta``) with a storage object of its
-    own: marking it stale leaves the graph's own tensor (and the other outputs) alone."""
+def _alias(meta: dict):
+    """(tensor, storage): a tensor over a graph output's memory (``_alias_meta``) with a
+    storage object of its own: marking it stale leaves the graph's own tensor (and the other
+    outputs) alone."""
     own = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"],
                                                         meta["nbytes"])
-    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, own)
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, own), own
