@@ -77,7 +77,7 @@ def kernels_per_call(fn, args) -> int:
 
 
 def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None,
-            breakdown=False, held_at_start=None):
+            breakdown=False):
     """Numbers for one target on one backend: returns (row, eager's outputs or None, the timed
     call for ``interleaved``, a function that profiles the call: kernels per call and, with
     ``breakdown``, GPU time per category)."""
@@ -87,7 +87,9 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
     # grad on recompiles (Inductor: ~2640 CUDA kernels counted against 138)
     grad = torch.no_grad if mode == "inference" else _null
     torch._dynamo.reset()
-    held_before = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held_before = torch.cuda.memory_reserved()      # earlier backends' (kept for interleaved)
     args = make_inputs()
     compile_args = COMPILE_ARGS[backend]
     f = fn if compile_args is None else torch.compile(fn, **compile_args)
@@ -119,14 +121,21 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
         with grad():
             return step(*a)
     ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+    # Peak memory: what the process holds from the GPU at most during one call, over what it
+    # held before this backend began. Reserved, not allocated, memory: a CUDA graph's private
+    # pool stays reserved for its replays, while the allocator counts as free the blocks a
+    # graph freed during capture, and Inductor's CUDA-graph trees hand out outputs whose blocks
+    # it counts free (GPT-2 8 x 512 on the H200: the process's allocated peak during an
+    # inductor-cg call, 636 MB, was below the weights plus eager's reference logits it held,
+    # 659 MB). Blocks cached by the compile and the timing are released first; a live graph's
+    # pool is not.
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with grad():
         step(*args)
     torch.cuda.synchronize()
-    # what earlier backends' compiled code still holds (CUDA graph pools) is not this one's
-    earlier = 0 if held_at_start is None else held_before - held_at_start
-    peak = torch.cuda.max_memory_allocated() - earlier
+    peak = torch.cuda.max_memory_reserved() - held_before
 
     def profile() -> dict:
         """Kernels per call and (``breakdown``) GPU time per category, from the profiler: run
@@ -231,14 +240,13 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
         # training steps change the weights: every backend starts from the same ones
         start = ({k: v.detach().clone() for k, v in fn.state_dict().items()}
                  if mode == "training" and isinstance(fn, torch.nn.Module) else None)
-        held = torch.cuda.memory_allocated()
         for backend in backends:
             done += 1
             print(f"[{done}/{total}] {name}: {backend}", file=progress, flush=True)
             if start is not None:
                 fn.load_state_dict(start)
             row, out, call, profiles[backend] = measure(fn, make, backend, mode, floor, ref,
-                                                        breakdown, held)
+                                                        breakdown)
             if backend == "eager":
                 ref = out
             rows[backend] = row
