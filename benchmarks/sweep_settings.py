@@ -1,14 +1,24 @@
 """Sweep the launch settings of the generated kernels on the GPU: what block shape and warp
 count each pattern kernel runs fastest with, against what codegen/launch.py picks today.
 
-    python benchmarks/sweep_settings.py [--out sweep.json]
+    python benchmarks/sweep_settings.py [--cases add_rmsnorm:64:4096 ...] [--out sweep.json]
+
+``--cases`` picks cases as PATTERN:ROWS:N (default: the list below). Each case is also compiled
+by Inductor and timed in the same run, and Inductor's chosen launch configurations are printed
+(block sizes, warps, stages; from its autotuners), so a miss against Inductor can be read off
+as a settings difference or not. ``--profile`` adds each kernel's device time from the profiler
+(after all timing: a profiler session slows later calls, see profiler_effect.py).
 
 The settings functions of codegen/launch.py are replaced by ones that return a forced setting,
 so the very kernels the backend generates are timed (do_bench medians). The results feed the
 heuristics in launch.py; nothing here is used at run time.
 """
 import argparse
+import gc
 import json
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")     # before torch is imported
 
 import torch
 from triton.testing import do_bench
@@ -60,21 +70,90 @@ def pointwise_candidates(numel):
             if 32 * w * 2 <= b and b <= 4 * max(numel, 256)]
 
 
+SEEN = set()
+
+
+def inductor_configs():
+    """Launch configurations Inductor's autotuners settled on, by kernel name (those not
+    reported for an earlier case)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    out = {}
+    for obj in gc.get_objects():
+        try:                    # weak proxies among the objects raise once their referent died
+            found = isinstance(obj, CachingAutotuner) and obj.launchers and id(obj) not in SEEN
+        except ReferenceError:
+            continue
+        if found:
+            SEEN.add(id(obj))
+            c = obj.launchers[0].config
+            out[obj.fn.__name__] = {"kwargs": dict(c.kwargs), "num_warps": c.num_warps,
+                                    "num_stages": c.num_stages, "choices": len(obj.launchers)}
+    return out
+
+
+def kernel_times(f, args, calls=20):
+    """Mean device time (us) per call of each kernel ``f`` launches, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    f(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            f(*args)
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages()
+            if e.device_time_total > 0}
+
+
+def median_kernel_us(f, args, calls=30):
+    """Median device time (us) of the kernel ``f`` launches (one kernel expected), each call
+    after an L2 flush as in do_bench, read from the profiler: host delays do not enter it."""
+    from torch.profiler import ProfilerActivity, profile
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    f(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            f(*args)
+        torch.cuda.synchronize()
+    skip = ("elementwise", "fill", "memset", "memcpy")      # the flush
+    times = sorted(e.device_time for e in prof.events() if e.device_type.name == "CUDA"
+                   and not any(w in e.name.lower() for w in skip))
+    return times[len(times) // 2] if times else float("nan")
+
+
+def parse_case(text):
+    name, rows, n = text.split(":")
+    return name, int(rows), int(n)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--cases", nargs="*", type=parse_case, default=CASES)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="time each setting by its kernel's device time (profiler) instead of "
+                         "do_bench: small cases, where host delays move do_bench medians")
     a = ap.parse_args()
     results = []
-    for name, rows, n in CASES:
+    later = []
+    for name, rows, n in a.cases:
         if name == "softmax_scale":
             args = (torch.randn(rows, n, device="cuda", dtype=bf),)
         else:
             args = P.make_args(name, rows, n, bf, "cuda")
         torch._dynamo.reset()
+        ind = torch.compile(P.PATTERNS[name])
+        ind(*args)
+        ind_us = (median_kernel_us(ind, args) if a.kernel_time else
+                  do_bench(lambda: ind(*args), warmup=10, rep=60, return_mode="median") * 1e3)
+        ind_cfg = inductor_configs()
         f = torch.compile(P.PATTERNS[name], backend="fusion")
         FORCE.clear()
         f(*args)
-        base = do_bench(lambda: f(*args), warmup=10, rep=60, return_mode="median")
+        base = (median_kernel_us(f, args) / 1e3 if a.kernel_time else
+                do_bench(lambda: f(*args), warmup=10, rep=60, return_mode="median"))
         pointwise = name in ("swiglu", "bias_gelu", "dequant_add")
         key = "pointwise" if pointwise else "row"
         default = _pw(rows * n) if pointwise else _row(rows, n, 16384)
@@ -84,16 +163,26 @@ def main():
             FORCE[key] = c
             try:
                 f(*args)
-                times[str(c)] = do_bench(lambda: f(*args), warmup=10, rep=60, return_mode="median")
+                times[str(c)] = (median_kernel_us(f, args) / 1e3 if a.kernel_time else
+                                 do_bench(lambda: f(*args), warmup=10, rep=60,
+                                          return_mode="median"))
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile
                 times[str(c)] = f"error: {type(exc).__name__}"
         ok = {k: v for k, v in times.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
+        FORCE.clear()
         results.append({"pattern": name, "rows": rows, "n": n, "default": str(default),
                         "default_us": base * 1e3, "best": best, "best_us": ok[best] * 1e3,
+                        "inductor_us": ind_us, "inductor_configs": ind_cfg,
                         "all_us": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in times.items()}})
         print(f"{name:20s} {rows:6d} x {n:5d}: default {default} {base * 1e3:8.1f}us   "
-              f"best {best} {ok[best] * 1e3:8.1f}us", flush=True)
+              f"best {best} {ok[best] * 1e3:8.1f}us   inductor {ind_us:8.1f}us {ind_cfg}", flush=True)
+        later.append((results[-1], ind, f, args))
+    for row, ind, f, args in later if a.profile else ():
+        row["inductor_kernel_us"] = kernel_times(ind, args)
+        row["fusion_kernel_us"] = kernel_times(f, args)
+        print(f"{row['pattern']} {row['rows']}: kernels inductor {row['inductor_kernel_us']} "
+              f"fusion {row['fusion_kernel_us']}", flush=True)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=1)
