@@ -177,6 +177,7 @@ def main():
                         "all_us": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in times.items()}})
         print(f"{name:20s} {rows:6d} x {n:5d}: default {default} {base * 1e3:8.1f}us   "
               f"best {best} {ok[best] * 1e3:8.1f}us   inductor {ind_us:8.1f}us {ind_cfg}", flush=True)
+        print("    all (us): " + "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ok.items()), flush=True)
         later.append((results[-1], ind, f, args))
     for row, ind, f, args in later if a.profile else ():
         row["inductor_kernel_us"] = kernel_times(ind, args)

@@ -38,19 +38,38 @@ def _warps(elems: int) -> int:
     return 2
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (the H200's 132 in the interpreter)."""
+    if LEAN:
+        return torch.cuda.get_device_properties(current_device()).multi_processor_count
+    return 132
+
+
 @functools.lru_cache(maxsize=1024)
 def row_settings(rows: int, n: int, max_persistent_block: int):
-    """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``."""
+    """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``.
+
+    A grid of at most 4 programs per SM gets twice the warps (4 -> 8 for rows of 4096): with
+    few rows in flight, more warps per row keep more loads in flight. add+RMSNorm over rows of
+    4096 on the H200, kernel time after an L2 flush (benchmarks/sweep_settings.py
+    --kernel-time), 4 / 8 warps: 64 rows 3.0 / 2.5 us, 256 rows 4.4 / 4.2 us, 512 rows
+    6.0 / 5.7 us; 1024 rows (7.8 programs per SM) 9.7 / 10.5 us."""
     rblock = _next_pow2(max(n, 1))
     if rblock > max_persistent_block:
         return 1, LOOPED_RBLOCK, True, 8
     xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
-    return xblock, rblock, False, _warps(xblock * rblock)
+    warps = _warps(xblock * rblock)
+    if xblock * rblock >= 2048 and -(-rows // xblock) <= 4 * _sm_count():
+        warps = min(2 * warps, 32)
+    return xblock, rblock, False, warps
 
 
 @functools.lru_cache(maxsize=1024)
 def pointwise_settings(numel: int):
-    """(BLOCK, num_warps) for a pointwise kernel over ``numel`` elements."""
+    """(BLOCK, num_warps) for a pointwise kernel over ``numel`` elements. Small grids were
+    tried and left: dequant+add over 64 x 4096 (128 programs of 2048 on 132 SMs) ran 1.9 us
+    in blocks of 2048 and of 512 alike (kernel time after an L2 flush, H200)."""
     block = min(POINTWISE_BLOCK, _next_pow2(numel))
     return block, max(1, min(4, block // 128))
 
@@ -104,3 +123,75 @@ def direct_entry(kernel) -> tuple:
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is set: None, or (Triton 3.5+) an empty HookChain, is not."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# ------------------------------------------------------------------------------- static launches
+# Triton launches a kernel through a C module made for its argument signature, built by a C
+# compiler on a cold cache (about 0.3 s each; GPT-2's first call built 15). torch ships one
+# launcher for every signature (the one Inductor uses): it takes the argument types as a string.
+# A kernel that fits it (no scratch memory, one CTA, no cooperative or PDL launch) is compiled
+# with ``warmup``, never loaded by Triton, and launched by torch's: no C compiler runs for it.
+_STATIC = getattr(torch._C, "_StaticCudaLauncher", None) if LEAN else None
+launch_static = _STATIC._launch_kernel if _STATIC is not None else None
+_ARG_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B",
+              "u16": "H", "u32": "I", "u64": "K", "fp32": "f", "f32": "f", "fp64": "d"}
+
+
+def first_launch(table: dict, key: tuple, kernel, grid: int, *args, **kwargs) -> None:
+    """The first launch of ``kernel`` (a JITFunction) under ``key``: ``args`` are its
+    non-constexpr arguments (tensors for pointers), ``kwargs`` its constexprs and options.
+    Keeps, under ``key``, what relaunches it: ``static_entry``'s, or ``direct_entry``'s."""
+    rt = knobs.runtime
+    if (_STATIC is not None and not _hooked(rt.launch_enter_hook)
+            and not _hooked(rt.launch_exit_hook)):
+        entry = static_entry(kernel.warmup(*args, grid=(grid,), **kwargs), len(args))
+        if entry is not None:
+            table[key] = entry
+            values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+            launch_static(entry[1], grid, 1, 1, entry[2], entry[3], entry[4],
+                          values + entry[5], raw_stream(current_device()))
+            return
+    remember(table, key, kernel[(grid,)](*args, **kwargs))
+
+
+def static_entry(compiled, nargs: int):
+    """``(None, function, num_warps, shared, arg_types, extra)`` for torch's launcher, which a
+    generated launcher calls as ``launch_static(e[1], grid, 1, 1, e[2], e[3], e[4], args +
+    e[5], stream)``; or None where the kernel does not fit it (then Triton launches it)."""
+    types_ = fits_static(compiled, nargs)
+    if types_ is None:
+        return None
+    md = compiled.metadata
+    cubin = next(p for name, p in compiled.metadata_group.items() if name.endswith(".cubin"))
+    loaded = _STATIC._load_kernel(cubin, md.name, md.shared, current_device())
+    function, registers = loaded[-3], loaded[-2]     # torch 2.12+ puts the module first
+    if registers * md.num_warps * 32 > 65536:
+        return None             # more registers than a block has: Triton says so, and why
+    # Triton 3.3+ kernels take a pointer per kind of scratch memory, here null
+    extra = tuple(None for name in ("global_scratch_size", "profile_scratch_size")
+                  if hasattr(md, name))
+    arg_types = "".join("O" if t[0] == "*" else _ARG_TYPES[t] for t in types_) + "O" * len(extra)
+    return (None, function, md.num_warps, md.shared, arg_types, extra, compiled)
+
+
+def fits_static(compiled, nargs: int):
+    """The types of the ``nargs`` arguments of Triton's ``compiled`` kernel if torch's launcher
+    can launch it, else None."""
+    md = compiled.metadata
+    if (_STATIC is None or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "num_ctas", 1) != 1
+            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False)
+            or md.shared > _max_shared(current_device())
+            or not any(name.endswith(".cubin") for name in compiled.metadata_group)):
+        return None
+    types_ = [t for t in compiled.src.signature.values() if t != "constexpr"]
+    if len(types_) != nargs or not all(t[0] == "*" or t in _ARG_TYPES for t in types_):
+        return None          # an integer argument specialized away (== 1), or an odd type
+    return types_
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared(device: int) -> int:
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(device)["max_shared_mem"]

@@ -5,9 +5,10 @@ another inside its first call: about 0.14 s each on the H200's host, most of a c
 Here each generated launcher runs once at compile time on stand-ins (the size hints for sizes;
 for tensors, objects that carry a dtype and an address with the tensor's alignment) with a
 recorder in place of each Triton kernel. The recorded launches are compiled with
-``JITFunction.warmup`` on a thread pool, and loaded (which builds Triton's C launcher for the
-kernel's signature); Triton keeps each result in the kernel's own cache, where the first real
-launch finds it. Threads overlap what runs outside the GIL (ptxas and the C compiler at least):
+``JITFunction.warmup`` on a thread pool; those torch's prebuilt launcher cannot launch
+(``launch.fits_static``) are also loaded, which builds Triton's C launcher for the kernel's
+signature. Triton keeps each result in the kernel's own cache, where the first real launch
+finds it. Threads overlap what runs outside the GIL (ptxas and the C compiler at least):
 16 kernels took 2.29 s one after another and 1.16 s on 8 threads on the H200 device's host
 (`python benchmarks/thread_compile.py`).
 
@@ -24,6 +25,7 @@ import torch
 from triton.runtime.jit import MockTensor
 
 from ..passes.shapes import hint
+from .launch import fits_static
 
 
 class StandIn(MockTensor):
@@ -66,7 +68,8 @@ def recorded_launches(launch, inputs, syms) -> list:
             kernel = name[len("_COMPILED_"):]
             env[name] = {}                                  # every launch takes Triton's path
             env[f"_{kernel}_kernel"] = _Recorder(module[f"_{kernel}_kernel"], calls)
-    env.update(remember=lambda *_: None, FAST_ALLOC=True, current_device=lambda: device.index,
+    env.update(first_launch=lambda table, key, kernel, grid, *a, **kw: kernel[(grid,)](*a, **kw),
+               FAST_ALLOC=True, current_device=lambda: device.index,
                empty_cuda=lambda size, stride, dtype: StandIn(dtype))
     types.FunctionType(launch.func.__code__, env, "launch")(device, *inputs, *syms)
     return calls
@@ -159,6 +162,8 @@ def compile_launches(calls: list, device: torch.device, threads: int) -> dict:
         with torch.cuda.device(device):
             for kernel, grid, args, kwargs in kernel_calls:
                 compiled = kernel.warmup(*args, grid=grid, **kwargs)
+                if fits_static(compiled, len(args)) is not None:
+                    continue        # torch's launcher will launch it (launch.first_launch)
                 # on its first launch Triton would also load the binary and build the kernel's
                 # C launcher (a C compiler run per argument signature, cached on disk); done
                 # here it runs beside the others, and "out of shared memory" shows up now

@@ -112,8 +112,9 @@ import triton
 import triton.language as tl
 
 from fusion_compiler.codegen import triton_lib as fl
-from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cuda,
-                                            pointwise_settings, raw_stream, remember, row_settings)
+from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cuda, first_launch,
+                                            launch_static, pointwise_settings, raw_stream,
+                                            row_settings)
 """
 
 
@@ -430,10 +431,14 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
                        # kernels with index asserts, it asks for the asserts alone
                        + (["sanitize_overflow=False"] if checks_indices(ir) else []))
         pad = " " * ind
+        values = ", ".join(addrs + runtime)
         return [f"{pad}key = ({key},)",
                 f"{pad}k = _COMPILED_{name}.get(key)",
                 f"{pad}if k is None:",
-                f"{pad}    remember(_COMPILED_{name}, key, _{name}_kernel[({grid},)]({kw}))",
+                f"{pad}    first_launch(_COMPILED_{name}, key, _{name}_kernel, {grid}, {kw})",
+                f"{pad}elif k[0] is None:",
+                f"{pad}    launch_static(k[1], {grid}, 1, 1, k[2], k[3], k[4], ({values}, *k[5]), "
+                f"raw_stream(dev))",
                 f"{pad}else:",
                 f"{pad}    k[0]({grid}, 1, 1, raw_stream(dev), k[1], k[2], k[3], None, None, k[4], "
                 f"None, None, None, {pos})"]

@@ -52,27 +52,27 @@ def _tuning(monkeypatch, time_fn, count=1):
 def test_row_kernel_takes_the_fastest_warps_and_caches_them(dtype, monkeypatch, cache_dir, device):
     timed = []
 
-    def two_warps_fastest(call, settings):
+    def four_warps_fastest(call, settings):
         call()                  # the launcher runs with this setting (in the interpreter)
         timed.append(settings)
-        return 0.5e-3 if settings[-1] == 2 else 1e-3
-    seen = _tuning(monkeypatch, two_warps_fastest)
+        return 0.5e-3 if settings[-1] == 4 else 1e-3
+    seen = _tuning(monkeypatch, four_warps_fastest)
     x = torch.randn(37, 300, dtype=dtype, device=device)
     w = torch.randn(300, dtype=dtype, device=device)
     out, reports = compile_and_run(rmsnorm, (x, w))
     assert kernel_count(reports) == 1
     assert_close(out, rmsnorm(x, w), dtype)
     rule = L.row_settings(37, 300, 16384)
-    assert rule == (4, 512, False, 4) and set(timed) == set(autotune.candidates("row", rule))
+    assert rule == (4, 512, False, 8) and set(timed) == set(autotune.candidates("row", rule))
     (ctx,) = seen
     (launch,) = ctx.launchers.values()
     settings = launch.func.__globals__["row_settings"]
-    assert settings(37, 300, 16384) == (4, 512, False, 2)       # tuned at the tuned sizes
+    assert settings(37, 300, 16384) == (4, 512, False, 4)       # tuned at the tuned sizes
     assert settings(5, 300, 16384) == L.row_settings(5, 300, 16384)     # the rule elsewhere
     (kernel,) = [k for k in ctx.kernels if "tuned" in k]
-    assert kernel["tuned"]["settings"] == [4, 512, False, 2]
+    assert kernel["tuned"]["settings"] == [4, 512, False, 4]
     (stored,) = (ctx.config.cache_dir / "autotune").glob("*.json")
-    assert json.loads(stored.read_text())["settings"] == [4, 512, False, 2]
+    assert json.loads(stored.read_text())["settings"] == [4, 512, False, 4]
     # the tuned settings compute the same numbers on other inputs
     x2 = torch.randn(37, 300, dtype=dtype, device=device)
     assert_close(torch.compile(rmsnorm, backend="fusion")(x2, w), rmsnorm(x2, w), dtype)

@@ -442,3 +442,118 @@ def test_lean_launch_table_is_kept_only_without_launch_hooks(monkeypatch):
     monkeypatch.setattr(launch, "LEAN", False)    # the interpreter: never stored
     launch.remember(table, ("i",), Compiled())
     assert ("i",) not in table
+
+
+class _Meta:
+    """Triton 3.6-like kernel metadata (a namedtuple there)."""
+    name, num_warps, shared, num_ctas = "k_fn", 4, 1024, 1
+    global_scratch_size, profile_scratch_size = 0, 0
+    launch_cooperative_grid, launch_pdl = False, False
+
+
+def _compiled(signature, **meta):
+    md = type("Meta", (_Meta,), meta)()
+    src = type("Src", (), {"signature": signature})()
+    return type("Compiled", (), {"metadata": md, "src": src,
+                                 "metadata_group": {"k_fn.json": "/c/k.json",
+                                                    "k_fn.cubin": "/c/k.cubin"}})()
+
+
+@pytest.fixture
+def static_launcher(monkeypatch):
+    """torch's static launcher, faked: records loads and launches."""
+    from fusion_compiler.codegen import launch
+    calls = {"load": [], "launch": [], "registers": 40}
+
+    class Static:
+        @staticmethod
+        def _load_kernel(path, name, shared, device):
+            calls["load"].append((path, name, shared, device))
+            return ("module", "function", calls["registers"], 0)    # torch 2.12+: module first
+
+        @staticmethod
+        def _launch_kernel(*args):
+            calls["launch"].append(args)
+    monkeypatch.setattr(launch, "_STATIC", Static)
+    monkeypatch.setattr(launch, "launch_static", Static._launch_kernel)
+    monkeypatch.setattr(launch, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "raw_stream", lambda dev: 77)
+    monkeypatch.setattr(launch, "_max_shared", lambda dev: 232448)
+    return calls
+
+
+SIG = {"in0": "*bf16", "out0": "*bf16", "R": "i32", "N": "i32", "XBLOCK": "constexpr",
+       "RBLOCK": "constexpr", "INDEX64": "constexpr"}
+
+
+def test_static_launch_entry_types_and_scratch_pointers(static_launcher):
+    from fusion_compiler.codegen import launch
+    entry = launch.static_entry(_compiled(SIG), 4)
+    assert entry[0] is None and entry[1:5] == ("function", 4, 1024, "OOiiOO")
+    assert entry[5] == (None, None)         # a null pointer per kind of scratch memory
+    assert static_launcher["load"] == [("/c/k.cubin", "k_fn", 1024, 0)]
+    # an older Triton without scratch arguments: none appended
+    old = _compiled(SIG)
+    old.metadata = type("Meta", (), {k: getattr(_Meta, k) for k in (
+        "name", "num_warps", "shared", "num_ctas")})()
+    assert launch.static_entry(old, 4)[4:6] == ("OOii", ())
+
+
+@pytest.mark.parametrize("why, compiled, nargs", [
+    ("scratch memory", _compiled(SIG, global_scratch_size=64), 4),
+    ("profile scratch", _compiled(SIG, profile_scratch_size=8), 4),
+    ("two CTAs", _compiled(SIG, num_ctas=2), 4),
+    ("cooperative", _compiled(SIG, launch_cooperative_grid=True), 4),
+    ("too much shared memory", _compiled(SIG, shared=300000), 4),
+    ("an argument specialized to a constant (== 1)", _compiled(dict(SIG, N="constexpr")), 4),
+    ("an odd argument type", _compiled(dict(SIG, N="nvTmaDesc")), 4),
+])
+def test_kernels_torchs_launcher_cannot_take_go_through_triton(static_launcher, why, compiled,
+                                                               nargs):
+    from fusion_compiler.codegen import launch
+    assert launch.static_entry(compiled, nargs) is None, why
+
+
+def test_kernel_with_more_registers_than_a_block_has_goes_through_triton(static_launcher):
+    from fusion_compiler.codegen import launch
+    assert launch.static_entry(_compiled(SIG, num_warps=32), 4) is not None   # 40 x 1024 fit
+    static_launcher["registers"] = 80                                        # 80 x 1024 do not
+    assert launch.static_entry(_compiled(SIG, num_warps=32), 4) is None
+
+
+def test_first_launch_launches_through_torch_and_keeps_the_entry(static_launcher):
+    from fusion_compiler.codegen import launch
+    warmed = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            warmed.append((args, grid, kwargs))
+            return _compiled(SIG)
+
+        def __getitem__(self, grid):
+            raise AssertionError("Triton's launch path taken")
+    x = torch.empty(3, 5)
+    table = {}
+    launch.first_launch(table, ("key",), Kernel(), 6, x, x, 3, 5, XBLOCK=1, num_warps=4)
+    assert warmed == [((x, x, 3, 5), (6,), {"XBLOCK": 1, "num_warps": 4})]
+    entry = table[("key",)]
+    assert entry[0] is None
+    assert static_launcher["launch"] == [("function", 6, 1, 1, 4, 1024, "OOiiOO",
+                                          (x.data_ptr(), x.data_ptr(), 3, 5, None, None), 77)]
+    # with a Triton launch hook set (a profiler), Triton launches it and it is not kept
+    from triton import knobs
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        launched = []
+
+        class Traced(Kernel):
+            def __getitem__(self, grid):
+                return lambda *a, **kw: launched.append(grid)
+        fn = lambda *a: None  # noqa: E731
+        hook.add(fn)
+        try:
+            table.clear()
+            launch.first_launch(table, ("key",), Traced(), 6, x, x, 3, 5, XBLOCK=1)
+        finally:
+            hook.remove(fn)
+        assert launched == [(6,)] and table == {}
