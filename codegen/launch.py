@@ -155,9 +155,10 @@ def first_launch(table: dict, key: tuple, kernel, grid: int, *args, **kwargs) ->
 
 
 def static_entry(compiled, nargs: int):
-    """``(None, function, num_warps, shared, arg_types, extra)`` for torch's launcher, which a
-    generated launcher calls as ``launch_static(e[1], grid, 1, 1, e[2], e[3], e[4], args +
-    e[5], stream)``; or None where the kernel does not fit it (then Triton launches it)."""
+    """``(None, function, num_warps, shared, arg_types, extra, compiled)`` for torch's
+    launcher, which a generated launcher calls as ``launch_static(e[1], grid, 1, 1, e[2],
+    e[3], e[4], (*args, *e[5]), stream)``; or None where the kernel does not fit it (then
+    Triton launches it). ``None`` first tells it from ``direct_entry``'s."""
     types_ = fits_static(compiled, nargs)
     if types_ is None:
         return None
