@@ -420,10 +420,14 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     def launch(name, grid, runtime, constexprs, settings, ind):
         """Lines launching ``name``: through Triton once per key, then directly."""
         # R is not specialized (do_not_specialize); a size fixed in the IR is the same on
-        # every call of this module, so it needs no key part
+        # every call of this module, so it needs no key part. Each integer's width is in the
+        # key, as in Triton's (i32 up to 2**31 - 1, i64 past it): a kernel compiled for an i32
+        # size would be handed a wider one by the direct relaunch
         ints = [a for a in runtime if a != "R" and a not in static]
+        wide = [a for a in runtime if a not in static]
         key = ", ".join(["dev", *settings, "index64", *spec]
-                        + [f"{a} & 15, {a} == 1" for a in ints])
+                        + [f"{a} & 15, {a} == 1" for a in ints]
+                        + [f"{a} > 2147483647" for a in wide])
         pos = ", ".join(addrs + runtime + constexprs)
         kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs[:-1]]
                        + ["INDEX64=index64", "num_warps=num_warps"]
@@ -446,7 +450,8 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     if kind == "multipart":
         sized = [(f"numel{i}", n) for i, n in enumerate(numels)]
     else:
-        sized = [("numel", numels[0]), ("N", shape[-1] if shape else 1)]
+        sized = [("numel", numels[0]), ("N", shape[-1] if shape else 1),
+                 ("R", sympy.Mul(*shape[:-1]) if shape else 1)]
     static = {name for name, e in sized if sympy.sympify(e).is_Integer}
     lines += [f"    index64 = {index64}"]
     if kind == "multipart":

@@ -557,3 +557,26 @@ def test_first_launch_launches_through_torch_and_keeps_the_entry(static_launcher
         finally:
             hook.remove(fn)
         assert launched == [(6,)] and table == {}
+
+
+def test_relaunch_key_holds_each_runtime_integers_width(cache_dir, device):
+    """The direct relaunch passes integers as the kernel was compiled for them (i32 below
+    2**31, i64 from it, as Triton's own key tells apart): every integer the launcher passes
+    that is not fixed in the kernel has its width in the key; fixed sizes need none."""
+    from helpers import compile_and_run
+    from patterns import PATTERNS, make_args
+
+    def sources():
+        return {p: p.read_text() for p in cache_dir.rglob("*.py")}
+    args = make_args("add_rmsnorm", 37, 40, torch.float32, device)
+    compile_and_run(PATTERNS["add_rmsnorm"], args)                    # static shapes
+    (static,) = sources().values()
+    assert "R > 2147483647" not in static and "N > 2147483647" not in static
+    compile_and_run(PATTERNS["add_rmsnorm"], args, dynamic=True)      # rows and length symbolic
+    (dynamic,) = [t for t in sources().values() if t != static]
+    keys = [ln.strip() for ln in dynamic.splitlines() if ln.strip().startswith("key = (")]
+    assert keys and all("R > 2147483647" in k and "N > 2147483647" in k for k in keys)
+    x = torch.randn(3, 70, device=device)
+    compile_and_run(PATTERNS["swiglu"], (x, x.clone()), dynamic=True)
+    (pointwise,) = [t for t in sources().values() if t not in (static, dynamic)]
+    assert "numel > 2147483647" in pointwise
