@@ -180,6 +180,12 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
         if cond is False:
             parts.append("False")           # never read: its value is never selected
         elif cond is not True:
+            scalar = not set().union(*(idx(p).free_symbols for p in pred_set)) & vec
+            if parts and scalar:
+                # a test of loaded values alone (a gather's index read at one address) may be
+                # a scalar: Triton 3.9's interpreter makes `block & scalar` a mask of integers,
+                # which its loads reject; tl.where is the same conjunction
+                return f"tl.where({cond}, {' & '.join(parts)}, False)"
             parts.append(cond)
         return " & ".join(parts) or "True"
 

@@ -906,6 +906,25 @@ def test_regression_zero_dim_operand_of_other_dtype():
     check_program_fn(lambda x, s: (torch.where(x > s, x, -x),), [x, s])
 
 
+# Fixed: Triton 3.9's interpreter failed a load masked by `xmask & (x1 < 1) & (x1 >= 0)`: the
+# gather's index, read at one address (a 0-stride expand), is a scalar, and `block & scalar`
+# made a mask of integers there ("mask has unsupported dtype"). Found on CI (Triton 3.9).
+def test_regression_gather_by_an_index_read_at_one_address():
+    x0 = torch.randn(1, 3, device=DEVICE)
+    x1 = torch.randn((), device=DEVICE)
+
+    def f(x0, x1):
+        v0 = torch.gather(x0, 0, (torch.arange(1, device=x0.device) * 1 % 1).view(1, 1).expand(1, 3))
+        return v0.reshape(3) + x1, torch.tanh(x1)
+    reports = check_program_fn(f, [x0, x1])
+    assert kernel_count(reports) == 1 and not leftover_aten(reports)   # two parts, one kernel
+
+    def g(x, i):                            # the index an input: loaded, not folded
+        return (torch.gather(x, 0, i.expand(2, 5)) * 3.0,)
+    x, i = torch.randn(4, 5, device=DEVICE), torch.full((1, 1), 3, device=DEVICE)
+    assert kernel_count(check_program_fn(g, [x, i])) == 1
+
+
 # Fixed: compiling raised KeyError in passes/partition.py: the producer recomputed in the
 # transposed consumer's kernel read the amax, which the reduction's kernel did not write.
 def test_regression_recomputed_producer_reads_reduction_of_other_group():

@@ -173,6 +173,9 @@ def _sm90_cases():
     cases.append(("gather along the row of a softmax (a per-element index)",
                   lambda a, i: torch.softmax(torch.gather(a * 2.0, 1, i), -1),
                   (torch.randn(7, 13), torch.randint(0, 13, (7, 9))), {}))
+    cases.append(("gather by an index read at one address (a scalar range test)",
+                  lambda x, i: torch.gather(x, 0, i.expand(2, 5)) * 3.0,
+                  (torch.randn(4, 5), torch.ones(1, 1, dtype=torch.int64)), {}))
     cases.append(("attention inputs (three parts)", gqa_attention,
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                    torch.randn(9, 16), torch.randn(9, 16)), {}))
