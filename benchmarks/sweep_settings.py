@@ -6,11 +6,12 @@ count each pattern kernel runs fastest with, against what codegen/launch.py pick
 ``--cases`` picks cases as PATTERN:ROWS:N (default: the list below). Each case is also compiled
 by Inductor and timed in the same run, and Inductor's chosen launch configurations are printed
 (block sizes, warps, stages; from its autotuners), so a miss against Inductor can be read off
-as a settings difference or not. ``--profile`` adds each kernel's device time from the profiler
-(after all timing: a profiler session slows later calls, see profiler_effect.py).
+as a settings difference or not. ``--kernel-time`` times every setting, and Inductor, by the
+kernel's own device time from the profiler (each call after an L2 flush) instead of do_bench
+medians, which host delays move at small sizes.
 
 The settings functions of codegen/launch.py are replaced by ones that return a forced setting,
-so the very kernels the backend generates are timed (do_bench medians). The results feed the
+so the very kernels the backend generates are timed. The results feed the
 heuristics in launch.py; nothing here is used at run time.
 """
 import argparse
@@ -91,19 +92,6 @@ def inductor_configs():
     return out
 
 
-def kernel_times(f, args, calls=20):
-    """Mean device time (us) per call of each kernel ``f`` launches, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    f(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            f(*args)
-        torch.cuda.synchronize()
-    return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages()
-            if e.device_time_total > 0}
-
-
 def median_kernel_us(f, args, calls=30):
     """Median device time (us) of the kernel ``f`` launches (one kernel expected), each call
     after an L2 flush as in do_bench, read from the profiler: host delays do not enter it."""
@@ -131,13 +119,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--cases", nargs="*", type=parse_case, default=CASES)
-    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--kernel-time", action="store_true",
                     help="time each setting by its kernel's device time (profiler) instead of "
                          "do_bench: small cases, where host delays move do_bench medians")
     a = ap.parse_args()
+
+    def time_ms(fn, args):
+        if a.kernel_time:
+            return median_kernel_us(fn, args) / 1e3
+        return do_bench(lambda: fn(*args), warmup=10, rep=60, return_mode="median")
     results = []
-    later = []
     for name, rows, n in a.cases:
         if name == "softmax_scale":
             args = (torch.randn(rows, n, device="cuda", dtype=bf),)
@@ -146,14 +137,12 @@ def main():
         torch._dynamo.reset()
         ind = torch.compile(P.PATTERNS[name])
         ind(*args)
-        ind_us = (median_kernel_us(ind, args) if a.kernel_time else
-                  do_bench(lambda: ind(*args), warmup=10, rep=60, return_mode="median") * 1e3)
+        ind_us = time_ms(ind, args) * 1e3
         ind_cfg = inductor_configs()
         f = torch.compile(P.PATTERNS[name], backend="fusion")
         FORCE.clear()
         f(*args)
-        base = (median_kernel_us(f, args) / 1e3 if a.kernel_time else
-                do_bench(lambda: f(*args), warmup=10, rep=60, return_mode="median"))
+        base = time_ms(f, args)
         pointwise = name in ("swiglu", "bias_gelu", "dequant_add")
         key = "pointwise" if pointwise else "row"
         default = _pw(rows * n) if pointwise else _row(rows, n, 16384)
@@ -163,9 +152,7 @@ def main():
             FORCE[key] = c
             try:
                 f(*args)
-                times[str(c)] = (median_kernel_us(f, args) / 1e3 if a.kernel_time else
-                                 do_bench(lambda: f(*args), warmup=10, rep=60,
-                                          return_mode="median"))
+                times[str(c)] = time_ms(f, args)
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile
                 times[str(c)] = f"error: {type(exc).__name__}"
         ok = {k: v for k, v in times.items() if isinstance(v, float)}
@@ -178,12 +165,6 @@ def main():
         print(f"{name:20s} {rows:6d} x {n:5d}: default {default} {base * 1e3:8.1f}us   "
               f"best {best} {ok[best] * 1e3:8.1f}us   inductor {ind_us:8.1f}us {ind_cfg}", flush=True)
         print("    all (us): " + "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ok.items()), flush=True)
-        later.append((results[-1], ind, f, args))
-    for row, ind, f, args in later if a.profile else ():
-        row["inductor_kernel_us"] = kernel_times(ind, args)
-        row["fusion_kernel_us"] = kernel_times(f, args)
-        print(f"{row['pattern']} {row['rows']}: kernels inductor {row['inductor_kernel_us']} "
-              f"fusion {row['fusion_kernel_us']}", flush=True)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=1)
