@@ -88,8 +88,7 @@ def is_host_scalar(info: TensorInfo) -> bool:
 def _sizes_known(info: TensorInfo, hints: dict) -> bool:
     """False for sizes that depend on data (unbacked symbols: nonzero, masks): no hint to plan
     with, and no input to read them from at run time."""
-    exprs = (*info.shape, *info.stride, info.storage_offset)
-    return all(sym in hints for e in exprs for sym in getattr(e, "free_symbols", ()))
+    return all(sym in hints for sym in info.free_symbols)
 
 
 def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:

@@ -36,9 +36,10 @@ def graph_key(gm: torch.fx.GraphModule, ctx) -> str:
     h.update(repr((cfg.max_group_ops, cfg.max_persistent_block, ctx.profile)).encode())
     h.update(repr(sorted((str(k), int(v)) for k, v in ctx.size_hints.items())).encode())
     for n in gm.graph.nodes:
+        info = n.meta.get("fc_tensor")
         h.update(repr((n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
-                       str(n.meta.get("fc_kind")), n.meta.get("fc_tensor"),
-                       n.meta.get("fc_symint"))).encode())
+                       str(n.meta.get("fc_kind")), info.key if info is not None else None,
+                       str(n.meta.get("fc_symint")))).encode())
     return h.hexdigest()[:32]
 
 

@@ -63,9 +63,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for n in reversed(list(graph.nodes)):
         if not n.users and n.op == "call_function" and n.meta.get("fc_kind") in TRANSPARENT:
             graph.erase_node(n)
-    new = torch.fx.GraphModule(gm, graph)
-    new.recompile()
-    return new
+    return torch.fx.GraphModule(gm, graph)     # which compiles the graph's code
 
 
 def _symbol_node(sym, graph, env, placeholders, cache):

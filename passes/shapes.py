@@ -38,11 +38,29 @@ class TensorInfo:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
+    @functools.cached_property
+    def free_symbols(self) -> frozenset:
+        """The size symbols of the shape, strides and offset (empty for static shapes)."""
+        return frozenset().union(*(e.free_symbols for e in (*self.shape, *self.stride,
+                                                            self.storage_offset)
+                                   if not e.is_Integer))
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A short, exact text of this info, for cache keys (sympy's printer is slow: static
+        sizes are written as ints)."""
+        def text(e):
+            return str(int(e)) if e.is_Integer else f"({e})"
+        return (",".join(map(text, self.shape)) + "|" + ",".join(map(text, self.stride))
+                + f"|{text(self.storage_offset)}|{self.dtype}|{self.device}")
+
 
 def to_sympy(value) -> sympy.Expr:
     """An int or SymInt as a sympy expression."""
     if isinstance(value, torch.SymInt):
         return value.node.expr
+    if type(value) is int:
+        return sympy.Integer(value)
     if isinstance(value, (int, sympy.Expr)):
         return sympy.sympify(value)
     raise TypeError(f"expected an int or SymInt, got {type(value).__name__}: {value!r}")
