@@ -10,11 +10,23 @@ For each target, in this order, each in its own Python process (so nothing is ca
   fusion cold        empty kernel, decision and Triton caches
   fusion warm        the same caches, a second process
 Each row is the first call's wall time (inputs built and the GPU synchronized before the clock
-starts). ``backend s`` is that time minus aot_eager's: the compiler's own share, Triton's
-compilation or loading of its kernels included. ``passes s`` (fusion) is the time spent in the
-backend's passes, from the compile reports; it includes compiling the Triton kernels, which the
-generate pass does on threads (codegen/precompile.py; ``--compile-threads 0`` leaves that to the
-first launches, outside this column). Needs a CUDA GPU.
+starts). The columns:
+  backend s       that time minus aot_eager's: the compiler's own share, Triton's compilation
+                  or loading of its kernels included. A difference of two processes' first
+                  calls: it carries their noise (aot_eager's own first call moved 2.7-5.5 s
+                  between machines), so it is read beside the next two
+  in backend s    time inside the backend callable (Dynamo's OutputGraph.call_user_compiler
+                  metric): aot_autograd's tracing and the compiler, not Dynamo's tracing
+  own s           in backend s minus aot_eager's: the compiler alone, measured inside each
+                  process (work a backend leaves to its first launches is not in it: see
+                  after s)
+  after s         the first call's time outside Dynamo's compile (its _compile.compile_inner
+                  metric): running the graph once, with whatever loading its first launches do
+  passes s        (fusion) the time in the backend's passes, from the compile reports;
+                  it includes compiling the Triton kernels, which the generate pass does on
+                  threads (codegen/precompile.py; ``--compile-threads 0`` leaves that to the
+                  first launches, outside this column)
+Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -32,34 +44,55 @@ import fusion_compiler
 target, backend = sys.argv[1], sys.argv[2]
 model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
 torch.cuda.synchronize()
+profiler = None
+if len(sys.argv) > 3:
+    import cProfile
+    profiler = cProfile.Profile()
 with fusion_compiler.capture_compiles() as reports, torch.no_grad():
     t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
     torch.compile(model, backend=backend)(*inputs)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in reports)}))
+if profiler:
+    import pstats
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(int(sys.argv[3]))
+from torch._dynamo.utils import compilation_time_metrics as metrics
+print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in reports),
+                  "in_backend": sum(metrics.get("OutputGraph.call_user_compiler", [])),
+                  "dynamo": sum(metrics.get("_compile.compile_inner", []))}))
 '''
 
 
-def first_call(target: str, backend: str, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, target, backend], env=env,
+def first_call(target: str, backend: str, env: dict, profile: int = 0) -> dict:
+    """The child's result; with ``profile`` it runs under cProfile and its ``profile`` costliest
+    functions (cumulative time) are printed first."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, target, backend]
+                          + ([str(profile)] if profile else []), env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{target} with {backend} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    if profile:
+        print("\n".join(lines[:-1]), flush=True)
+    return json.loads(lines[-1])
 
 
-HEADER = f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} {'passes s':>9s}"
+HEADER = (f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} "
+          f"{'in backend s':>12s} {'own s':>6s} {'after s':>8s} {'passes s':>9s}")
 
 
 def show(r: dict) -> None:
-    backend = f"{r['backend_seconds']:.2f}" if "backend_seconds" in r else "-"
-    passes = f"{r['passes_seconds']:.2f}" if r.get("passes_seconds") is not None else "-"
-    print(f"{r['target']:34s} {r['run']:15s} {r['seconds']:12.2f} {backend:>10s} {passes:>9s}",
-          flush=True)
+    def f(key):
+        return f"{r[key]:.2f}" if r.get(key) is not None else "-"
+    print(f"{r['target']:34s} {r['run']:15s} {r['seconds']:12.2f} {f('backend_seconds'):>10s} "
+          f"{f('in_backend'):>12s} {f('own_seconds'):>6s} {f('after_compile'):>8s} "
+          f"{f('passes_seconds'):>9s}", flush=True)
 
 
-def measure(target: str, threads=(None,), inductor=True) -> list[dict]:
+def measure(target: str, threads=(None,), inductor=True, profile=0) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,8 +101,11 @@ def measure(target: str, threads=(None,), inductor=True) -> list[dict]:
                      TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{name}/inductor",
                      FUSION_COMPILER_CACHE_DIR=f"{tmp}/{name}/fusion")
             return e
-        base = first_call(target, "aot_eager", env("aot"))["seconds"]
-        rows.append({"target": target, "run": "aot_eager", "seconds": base})
+        aot = first_call(target, "aot_eager", env("aot"))
+        base = aot["seconds"]
+        rows.append({"target": target, "run": "aot_eager", "seconds": base,
+                     "in_backend": aot["in_backend"],
+                     "after_compile": aot["seconds"] - aot["dynamo"]})
         show(rows[-1])
         runs = [("inductor", "inductor", {})] if inductor else []
         runs += [("fusion", "fusion" if t is None else f"fusion t={t}",
@@ -77,9 +113,13 @@ def measure(target: str, threads=(None,), inductor=True) -> list[dict]:
                  for t in threads]
         for backend, name, extra in runs:
             for run in ("cold", "warm"):
-                r = first_call(target, backend, dict(env(name), **extra))
+                r = first_call(target, backend, dict(env(name), **extra),
+                               profile if backend == "fusion" and run == "warm" else 0)
                 rows.append({"target": target, "run": f"{name} {run}", "seconds": r["seconds"],
                              "backend_seconds": r["seconds"] - base,
+                             "in_backend": r["in_backend"],
+                             "own_seconds": r["in_backend"] - aot["in_backend"],
+                             "after_compile": r["seconds"] - r["dynamo"],
                              "passes_seconds": r["passes"] if backend == "fusion" else None})
                 show(rows[-1])
     return rows
@@ -94,10 +134,13 @@ def main() -> int:
                              "(default: the configured one)")
     parser.add_argument("--no-inductor", action="store_true",
                         help="skip Inductor's runs (when they were measured in another run)")
+    parser.add_argument("--profile-warm", type=int, default=0, metavar="N",
+                        help="run fusion's warm first call under cProfile and print its N "
+                             "costliest functions (the timing of that row includes cProfile)")
     args = parser.parse_args()
     print(HEADER, flush=True)
     rows = [row for t in args.targets
-            for row in measure(t, args.compile_threads, not args.no_inductor)]
+            for row in measure(t, args.compile_threads, not args.no_inductor, args.profile_warm)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

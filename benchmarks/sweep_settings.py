@@ -21,8 +21,14 @@ import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")     # before torch is imported
 
+import sys
+from pathlib import Path
+
 import torch
 from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import kernel_times  # noqa: E402
 
 import fusion_compiler.codegen.launch as L
 from fusion_compiler import patterns as P
@@ -92,24 +98,6 @@ def inductor_configs():
     return out
 
 
-def median_kernel_us(f, args, calls=30):
-    """Median device time (us) of the kernel ``f`` launches (one kernel expected), each call
-    after an L2 flush as in do_bench, read from the profiler: host delays do not enter it."""
-    from torch.profiler import ProfilerActivity, profile
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    f(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.zero_()
-            f(*args)
-        torch.cuda.synchronize()
-    skip = ("elementwise", "fill", "memset", "memcpy")      # the flush
-    times = sorted(e.device_time for e in prof.events() if e.device_type.name == "CUDA"
-                   and not any(w in e.name.lower() for w in skip))
-    return times[len(times) // 2] if times else float("nan")
-
-
 def parse_case(text):
     name, rows, n = text.split(":")
     return name, int(rows), int(n)
@@ -126,7 +114,7 @@ def main():
 
     def time_ms(fn, args):
         if a.kernel_time:
-            return median_kernel_us(fn, args) / 1e3
+            return kernel_times(fn, args)["kernel_us"] / 1e3
         return do_bench(lambda: fn(*args), warmup=10, rep=60, return_mode="median")
     results = []
     for name, rows, n in a.cases:

@@ -1,0 +1,75 @@
+"""GPU timing helpers the benchmark scripts share, besides ``triton.testing.do_bench``.
+
+do_bench's median is the measure of record (the issues' targets are stated in it). It is an
+event pair around one call, after a 256 MB L2 flush; so it holds the call's kernels and, on
+the GPU, whatever separates the flush from the first kernel and the last kernel from the end
+event. These helpers take that apart:
+
+  kernel_times      the kernels' own device time per call, after the same flush, from the
+                    profiler; and the gap from the flush's end to the call's first kernel
+  call_us           wall time per call of many calls back to back: the host's launch path
+                    and the kernels together, as a launch-bound model sees them
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+FLUSH_BYTES = 256 << 20             # what do_bench zeroes between calls
+_FLUSH_NAMES = ("fill", "memset")   # the flush's kernel (zero_), as the profiler names it
+
+
+def _is_flush(name: str) -> bool:
+    name = name.lower()
+    return any(w in name for w in _FLUSH_NAMES)
+
+
+def kernel_times(f, args, calls: int = 30) -> dict:
+    """Device timeline of ``calls`` calls of ``f``, each after an L2 flush as in do_bench,
+    from the profiler: medians over the calls of the kernels' summed device time (``kernel_us``),
+    of the time from the flush's end to the call's last kernel end (``span_us``) and to its
+    first kernel start (``lead_us``), and the kernels per call."""
+    from torch.profiler import ProfilerActivity, profile
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    f(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            f(*args)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                    key=lambda e: e.time_range.start)
+    per_call, current = [], None
+    for e in events:
+        if _is_flush(e.name):
+            current = {"flush_end": e.time_range.end, "kernels": []}
+            per_call.append(current)
+        elif current is not None:
+            current["kernels"].append(e)
+    per_call = [c for c in per_call if c["kernels"]]
+    if not per_call:
+        return {"kernel_us": float("nan"), "span_us": float("nan"), "lead_us": float("nan"),
+                "kernels": 0}
+    med = statistics.median
+    return {
+        "kernel_us": med(sum(k.time_range.elapsed_us() for k in c["kernels"]) for c in per_call),
+        "span_us": med(max(k.time_range.end for k in c["kernels"]) - c["flush_end"]
+                       for c in per_call),
+        "lead_us": med(c["kernels"][0].time_range.start - c["flush_end"] for c in per_call),
+        "kernels": round(med(len(c["kernels"]) for c in per_call)),
+    }
+
+
+def call_us(f, args, calls: int = 200) -> float:
+    """Wall time per call (us) of ``calls`` calls back to back, no flush, then one sync: the
+    host's launch path and the kernels together; whichever is longer sets the pace."""
+    f(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
