@@ -8,6 +8,8 @@ the log) unless Triton's interpreter is on (TRITON_INTERPRET=1), which the tests
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,6 +49,26 @@ class CompileContext:
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
 
 
+@contextlib.contextmanager
+def young_gc():
+    """Python's cyclic collector, while compiling, scans only the objects made meanwhile.
+
+    A full collection walks every object the process holds (torch, sympy, the model): Llama
+    1 x 128's cold compile spent 0.21 s of 0.79 s in one, on the CPU. Objects that exist on
+    entry are frozen (``gc.freeze``) and handed back to the collector on exit: garbage made
+    while compiling is still collected, and the older objects are collected as before once
+    the compile returns. Left alone where the process has frozen objects of its own (it
+    manages the collector itself) or has it off."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def kernel_cache(config: Config):
     from .codegen.cache import KernelCache
 
@@ -80,6 +102,11 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     An unexpected error in the compiler never stops a model that eager PyTorch runs: the graph
     runs on ATen unfused, with a warning (or the error is raised with FUSION_COMPILER_STRICT=1),
     and the report says what happened."""
+    with young_gc():
+        return _compile_aten_graph(gm, kind, config)
+
+
+def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     global _said_cpu
     started = time.perf_counter()
     ctx = make_context(config, kind, gm)
@@ -168,6 +195,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
             return fn
         return compile_fn
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        inference_compiler=compiler("inference"),
-                        decompositions=decomposition_table())(gm, example_inputs)
+    with young_gc():            # aot_autograd's tracing and the forward graph's passes
+        return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                            inference_compiler=compiler("inference"),
+                            decompositions=decomposition_table())(gm, example_inputs)

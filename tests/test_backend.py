@@ -377,3 +377,52 @@ def test_cudagraphs_are_not_used_where_unsafe():
         torch.compile(lambda x: torch.var_mean(x * 2 + x), backend=grab)(torch.randn(3))
     assert any(n.target is operator.getitem for n in captured["g"].graph.nodes)
     assert "cpu tensor" in cudagraphs.why_not(captured["g"], "inference")   # getitem is fine
+
+
+def test_young_gc_freezes_what_exists_and_still_collects_what_compiling_makes():
+    import gc
+    import weakref
+
+    from fusion_compiler.backend import young_gc
+
+    if gc.get_freeze_count() or not gc.isenabled():
+        pytest.skip("this process manages its collector itself")
+
+    class Node:
+        pass
+    with young_gc():
+        assert gc.get_freeze_count() > 0            # the objects that existed are frozen
+        with young_gc():                            # nested (backward compile in forward's)
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0            # the inner exit left the outer's freeze
+        a, b = Node(), Node()
+        a.other, b.other = b, a                     # a cycle made while compiling
+        ref = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert ref() is None                        # collected inside the window
+    assert gc.get_freeze_count() == 0               # everything handed back on exit
+
+
+def test_young_gc_leaves_a_process_that_froze_objects_or_disabled_the_collector():
+    import gc
+
+    from fusion_compiler.backend import young_gc
+
+    if gc.get_freeze_count() or not gc.isenabled():
+        pytest.skip("this process manages its collector itself")
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with young_gc():
+            pass
+        assert gc.get_freeze_count() == frozen      # the process's own freeze stands
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with young_gc():
+            assert gc.get_freeze_count() == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
