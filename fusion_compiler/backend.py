@@ -70,11 +70,13 @@ def young_gc():
 
 
 def kernel_cache(config: Config):
+    from .codegen import triton_key
     from .codegen.cache import KernelCache
 
     cache = _caches.get(config.cache_dir)
     if cache is None:
         cache = _caches[config.cache_dir] = KernelCache(config.cache_dir)
+        triton_key.install(config.cache_dir)    # Triton's own key, hashed once per machine
     return cache
 
 

@@ -661,3 +661,70 @@ def test_disk_full_everywhere_runs_the_graph_on_aten(cache_dir, device, monkeypa
         if cache._fallback is not None:
             assert _entries(cache._fallback) == []
             shutil.rmtree(cache._fallback, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ Triton's key (triton_key.py)
+def _fake_package(root: Path) -> Path:
+    pkg = root / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("a = 1\n")
+    (pkg / "sub" / "lib.so").write_bytes(b"\0" * 100)
+    return pkg
+
+
+def test_triton_key_is_stored_once_and_read_back_by_the_next_process(tmp_path):
+    from fusion_compiler.codegen import triton_key as K
+
+    pkg, store = _fake_package(tmp_path), tmp_path / "store"
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return "9.9.9-abc"
+    first = K.stored(compute, pkg, store, "9.9.9")
+    assert first() == "9.9.9-abc" and first() == "9.9.9-abc"
+    assert len(calls) == 1                          # once per process
+    (entry,) = store.iterdir()
+    assert entry.read_text() == "9.9.9-abc"
+
+    def never():
+        raise AssertionError("the stored key was not used")
+    assert K.stored(never, pkg, store, "9.9.9")() == "9.9.9-abc"    # a later process
+
+
+def test_triton_key_is_computed_again_when_a_file_changes_or_the_entry_is_bad(tmp_path):
+    from fusion_compiler.codegen import triton_key as K
+
+    pkg, store = _fake_package(tmp_path), tmp_path / "store"
+    assert K.stored(lambda: "9.9.9-old", pkg, store, "9.9.9")() == "9.9.9-old"
+    (pkg / "sub" / "lib.so").write_bytes(b"\1" * 101)          # Triton reinstalled or changed
+    assert K.stored(lambda: "9.9.9-new", pkg, store, "9.9.9")() == "9.9.9-new"
+    for entry in store.iterdir():                               # a damaged entry
+        entry.write_text("garbage")
+    assert K.stored(lambda: "9.9.9-again", pkg, store, "9.9.9")() == "9.9.9-again"
+
+
+def test_triton_key_works_without_a_writable_store(tmp_path):
+    from fusion_compiler.codegen import triton_key as K
+
+    pkg = _fake_package(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")                  # the store's folder would be inside a file
+    assert K.stored(lambda: "9.9.9-x", pkg, blocker / "store", "9.9.9")() == "9.9.9-x"
+
+
+def test_triton_key_install_gives_triton_its_own_value(tmp_path, monkeypatch):
+    from triton.runtime import cache as triton_cache
+
+    from fusion_compiler.codegen import triton_key as K
+
+    original = triton_cache.triton_key
+    original = getattr(original, "fc_compute", original)    # an earlier test's backend installed it
+    monkeypatch.setattr(triton_cache, "triton_key", original)   # restored after the test
+    K.install(tmp_path)
+    installed = triton_cache.triton_key
+    assert installed is not original and installed.fc_stored
+    assert installed() == original()                 # the very string Triton computes
+    K.install(tmp_path)                              # once per process
+    assert triton_cache.triton_key is installed
+    assert list((tmp_path / "triton_key").iterdir())
