@@ -175,6 +175,11 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         raise ConfigError(f"the fusion backend takes mode= and options=, not {', '.join(kwargs)}")
     if config.disable:
         return gm.forward
+    if not interpreting() and any(isinstance(t, torch.Tensor) and t.is_cuda
+                                  for t in example_inputs):
+        # Triton's key for its kernel cache, hashed by a helper process while we trace
+        from .codegen import triton_key
+        triton_key.install(config.cache_dir, helper=True)
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")

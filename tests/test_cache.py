@@ -728,3 +728,62 @@ def test_triton_key_install_gives_triton_its_own_value(tmp_path, monkeypatch):
     K.install(tmp_path)                              # once per process
     assert triton_cache.triton_key is installed
     assert list((tmp_path / "triton_key").iterdir())
+
+
+def test_triton_key_helper_answers_for_the_first_compile(tmp_path):
+    import sys
+
+    from fusion_compiler.codegen import triton_key as K
+
+    pkg, store = _fake_package(tmp_path), tmp_path / "store"
+
+    def never():
+        raise AssertionError("computed although the helper answered")
+    helper = [sys.executable, "-c", f"print({str(pkg)!r}); print('9.9.9-child')"]
+    key = K.stored(never, pkg, store, "9.9.9", helper)
+    assert key() == "9.9.9-child"
+    assert K.stored(never, pkg, store, "9.9.9")() == "9.9.9-child"      # and stored
+
+
+@pytest.mark.parametrize("script", [
+    "print('/elsewhere/triton'); print('9.9.9-child')",    # another Triton than this process's
+    "print(PKG); print('no version')",                     # not a key
+    "import sys; sys.exit(3)",                             # the helper failed
+])
+def test_triton_key_helper_is_not_trusted_unless_it_ran_this_triton(tmp_path, script):
+    import sys
+
+    from fusion_compiler.codegen import triton_key as K
+
+    pkg, store = _fake_package(tmp_path), tmp_path / "store"
+    helper = [sys.executable, "-c", f"PKG = {str(pkg)!r}\n" + script]
+    assert K.stored(lambda: "9.9.9-here", pkg, store, "9.9.9", helper)() == "9.9.9-here"
+
+
+def test_triton_key_helper_prints_this_processes_triton_and_key(tmp_path):
+    import subprocess
+
+    from triton.runtime import cache as triton_cache
+
+    from fusion_compiler.codegen import triton_key as K
+
+    original = triton_cache.triton_key
+    original = getattr(original, "fc_compute", original)
+    out = subprocess.run(K.helper_command(), capture_output=True, text=True, check=True)
+    folder, key = out.stdout.splitlines()
+    assert folder == os.path.dirname(os.path.realpath(triton.__file__))
+    assert key == original()
+
+
+def test_triton_key_helper_that_does_not_answer_in_time_is_not_waited_for(tmp_path, monkeypatch):
+    import sys
+    import time
+
+    from fusion_compiler.codegen import triton_key as K
+
+    monkeypatch.setattr(K, "HELPER_WAIT_S", 0.2)
+    pkg, store = _fake_package(tmp_path), tmp_path / "store"
+    helper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    t0 = time.perf_counter()
+    assert K.stored(lambda: "9.9.9-here", pkg, store, "9.9.9", helper)() == "9.9.9-here"
+    assert time.perf_counter() - t0 < 10
