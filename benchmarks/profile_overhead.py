@@ -17,18 +17,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import bench_1x128  # noqa: E402
+from timing import call_us  # noqa: E402
 
 
 def per_call_us(fn, args, n=50):
-    for _ in range(3):
-        fn(*args)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    return call_us(fn, args, calls=n)
 
 
 def top(profile, n, pattern=None, key="tottime"):
