@@ -53,8 +53,9 @@ class CompileContext:
 def young_gc():
     """Python's cyclic collector, while compiling, scans only the objects made meanwhile.
 
-    A full collection walks every object the process holds (torch, sympy, the model): Llama
-    1 x 128's cold compile spent 0.21 s of 0.79 s in one, on the CPU. Objects that exist on
+    A full collection walks every object the process holds (torch, sympy, the model): one fell
+    inside Llama 1 x 128's cold graph compile and took 0.18-0.23 s of its 0.78-0.89 s on the CPU
+    (benchmarks/gc_compile.py --copy-graph). Objects that exist on
     entry are frozen (``gc.freeze``) and handed back to the collector on exit: garbage made
     while compiling is still collected, and the older objects are collected as before once
     the compile returns. Left alone where the process has frozen objects of its own (it
