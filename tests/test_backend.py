@@ -426,3 +426,23 @@ def test_young_gc_leaves_a_process_that_froze_objects_or_disabled_the_collector(
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_young_gc_nested_does_not_ask_for_the_freeze_count(monkeypatch):
+    """A graph's compile inside the backend call is nested: it must not walk the frozen
+    objects (gc.get_freeze_count does, ~30 ms after freezing a process)."""
+    import gc
+
+    from fusion_compiler import backend as B
+
+    if gc.get_freeze_count() or not gc.isenabled():
+        pytest.skip("this process manages its collector itself")
+    with B.young_gc():
+        def walked():
+            raise AssertionError("the nested young_gc counted the frozen objects")
+        monkeypatch.setattr(gc, "get_freeze_count", walked)
+        with B.young_gc():
+            pass
+        monkeypatch.undo()
+        assert gc.get_freeze_count() > 0            # the outer freeze still stands
+    assert gc.get_freeze_count() == 0

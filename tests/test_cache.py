@@ -719,7 +719,7 @@ def test_triton_key_install_gives_triton_its_own_value(tmp_path, monkeypatch):
     from fusion_compiler.codegen import triton_key as K
 
     original = triton_cache.triton_key
-    original = getattr(original, "fc_compute", original)    # an earlier test's backend installed it
+    original = getattr(original, "fc_compute", original)    # installed earlier in this process
     monkeypatch.setattr(triton_cache, "triton_key", original)   # restored after the test
     K.install(tmp_path)
     installed = triton_cache.triton_key
