@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,21 +61,29 @@ def kernel_keys(reports):
 
 
 def entry_files(root: Path) -> dict:
-    """{relative path: sha256 of the bytes} of every file in the cache (bytecode excluded)."""
+    """{relative path: sha256 of the bytes} of every file in the cache (bytecode excluded, and
+    Triton's stored key: on a GPU the first process of a Triton install writes it, into the
+    cache of whichever test compiled first)."""
     if not root.exists():
         return {}
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+            and p.relative_to(root).parts[0] != "triton_key"}
 
 
 def assert_valid_entries(root: Path) -> int:
     """Every kernel entry is a .py with a .json naming its key and sha256, every fusion decision
-    entry (graphs/) a .pkl under its key prefix; no temporaries are left."""
+    entry (graphs/) a .pkl under its key prefix, Triton's stored key (triton_key/) a .txt; no
+    temporaries are left."""
     files = [p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     decisions = [p for p in files if p.relative_to(root).parts[0] == "graphs"]
     for p in decisions:
         assert p.suffix == ".pkl" and not p.name.startswith(".") and p.parent.name == p.stem[:2], p
-    files = [p for p in files if p not in decisions]
+    keys = [p for p in files if p.relative_to(root).parts[0] == "triton_key"]
+    for p in keys:      # Triton's key, stored by codegen/triton_key.py
+        assert p.suffix == ".txt" and re.fullmatch("[0-9a-f]{32}", p.stem), p
+        assert p.read_text().startswith(triton.__version__), p
+    files = [p for p in files if p not in decisions and p not in keys]
     sources = {p.stem: p for p in files if p.suffix == ".py"}
     metas = {p.stem: p for p in files if p.suffix == ".json"}
     leftovers = [str(p) for p in files if p.suffix not in (".py", ".json") or p.name.startswith(".")]
