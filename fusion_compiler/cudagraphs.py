@@ -138,16 +138,18 @@ class CudaGraphRunner:
         for a, s in zip(args, static):
             if s is not a:
                 s.copy_(a)
-        # warm-up on a side stream, as CUDA graph capture asks
-        side = torch.cuda.Stream()
+        # warm-up on a side stream, as CUDA graph capture asks: one per device for the process,
+        # since cuBLAS keeps a workspace (32 MiB on the H200) for every stream it ran on
+        side = _side_stream(static)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.fn(list(static))
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                outs = self.fn(list(static))
+            with _own_cublas_workspace():
+                with torch.cuda.graph(graph):
+                    outs = self.fn(list(static))
         except Exception as exc:                  # noqa: BLE001 - run without graphs instead
             log.warning("fusion-compiler: %s: CUDA graph capture failed (%s: %s); running "
                         "without CUDA graphs", self.name, type(exc).__name__, exc)
@@ -174,6 +176,37 @@ class CudaGraphRunner:
             outs[i], storage = _alias(meta)
             self.handed.append(storage)
         return outs
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(args) -> torch.cuda.Stream:
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)),
+                  torch.device("cuda", torch.cuda.current_device()))
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+class _own_cublas_workspace:
+    """Around a capture: cuBLAS's cached workspaces are dropped before and after, as Inductor's
+    CUDA graph trees do (``clear_cublas_manager``). Before: the capture allocates a workspace of
+    its own, in the graph's private pool, instead of baking in the address of one that eager
+    work or another graph shares, and that torch may free while this graph still replays
+    (pytorch/pytorch#193402). After: no later call on the capture stream is handed memory of
+    this graph's pool. A dropped eager workspace is allocated again by the next cuBLAS call."""
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+
+    def __enter__(self):
+        if self.clear is not None:
+            self.clear()
+
+    def __exit__(self, *exc):
+        if self.clear is not None:
+            self.clear()
 
 
 def _mark_stale(handed: list) -> None:

@@ -149,6 +149,47 @@ def test_cudagraph_outputs_are_valid_until_the_next_call_then_raise():
             out.float().sum().item()
 
 
+class _TwoGraphs(torch.nn.Module):
+    """Two matmuls with a graph break between them: two captured graphs, each using cuBLAS."""
+
+    def __init__(self, n=256):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(n, n), torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) + 1
+        torch._dynamo.graph_break()
+        return torch.nn.functional.gelu(self.b(h)) * 2
+
+
+def test_cudagraph_captured_again_leaves_other_graphs_right_and_memory_flat():
+    """The first graph's weights move twice, so it is captured again (its old graph freed)
+    while the second graph keeps replaying. The second stays right: no graph bakes in a cuBLAS
+    workspace another graph's pool owns (pytorch/pytorch#193402). And capturing again leaves
+    nothing behind: no cuBLAS workspace per capture for a new warm-up stream."""
+    model = _TwoGraphs().to("cuda", torch.bfloat16).eval()
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fusion", mode="reduce-overhead")
+
+    def call():
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        out = fn(x).clone()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()        # what the old graphs freed goes back to the driver
+        assert_close(out, model(x))
+
+    with torch.no_grad():
+        for _ in range(3):
+            call()                      # plain, captured, replayed
+        reserved = torch.cuda.memory_reserved()
+        for _ in range(2):
+            model.a.weight.data = model.a.weight.data * 0.5
+            call()                      # the first graph captured again; the second replays
+            call()
+        grown = torch.cuda.memory_reserved() - reserved
+    assert grown < 8 << 20, f"{grown / 2**20:.0f} MiB more reserved after capturing again"
+
+
 def test_cudagraphs_option_is_used_only_where_safe():
     model, (ids,) = _tiny_llama()
     torch._dynamo.reset()
