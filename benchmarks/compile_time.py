@@ -26,6 +26,9 @@ starts). The columns:
                   it includes compiling the Triton kernels, which the generate pass does on
                   threads (codegen/precompile.py; ``--compile-threads 0`` leaves that to the
                   first launches, outside this column)
+  of which        (fusion) the passes' phases, from the reports: analyze (the fusion
+                  decisions), sources (kernel modules written or loaded), triton (Triton's
+                  compiles or cache loads, on the compile threads: codegen/precompile.py)
 Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -60,7 +63,12 @@ if profiler:
     profiler.disable()
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(int(sys.argv[3]))
 from torch._dynamo.utils import compilation_time_metrics as metrics
+phases = {}
+for r in reports:
+    for k, v in r.phase_seconds.items():
+        phases[k] = phases.get(k, 0.0) + v
 print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in reports),
+                  "phases": phases,
                   "in_backend": sum(metrics.get("OutputGraph.call_user_compiler", [])),
                   "dynamo": sum(metrics.get("_compile.compile_inner", []))}))
 '''
@@ -81,7 +89,8 @@ def first_call(target: str, backend: str, env: dict, profile: int = 0) -> dict:
 
 
 HEADER = (f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} "
-          f"{'in backend s':>12s} {'own s':>6s} {'after s':>8s} {'passes s':>9s}")
+          f"{'in backend s':>12s} {'own s':>6s} {'after s':>8s} {'passes s':>9s}  "
+          f"of which: analyze / sources / triton")
 
 
 def show(r: dict) -> None:
@@ -89,10 +98,11 @@ def show(r: dict) -> None:
         return f"{r[key]:.2f}" if r.get(key) is not None else "-"
     print(f"{r['target']:34s} {r['run']:15s} {r['seconds']:12.2f} {f('backend_seconds'):>10s} "
           f"{f('in_backend'):>12s} {f('own_seconds'):>6s} {f('after_compile'):>8s} "
-          f"{f('passes_seconds'):>9s}", flush=True)
+          f"{f('passes_seconds'):>9s}  {r.get('phases', '')}", flush=True)
 
 
-def measure(target: str, threads=(None,), inductor=True, profile=0) -> list[dict]:
+def measure(target: str, threads=(None,), inductor=True, profile=0,
+            profile_run="warm") -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,13 +124,16 @@ def measure(target: str, threads=(None,), inductor=True, profile=0) -> list[dict
         for backend, name, extra in runs:
             for run in ("cold", "warm"):
                 r = first_call(target, backend, dict(env(name), **extra),
-                               profile if backend == "fusion" and run == "warm" else 0)
+                               profile if backend == "fusion" and run == profile_run else 0)
                 rows.append({"target": target, "run": f"{name} {run}", "seconds": r["seconds"],
                              "backend_seconds": r["seconds"] - base,
                              "in_backend": r["in_backend"],
                              "own_seconds": r["in_backend"] - aot["in_backend"],
                              "after_compile": r["seconds"] - r["dynamo"],
-                             "passes_seconds": r["passes"] if backend == "fusion" else None})
+                             "passes_seconds": r["passes"] if backend == "fusion" else None,
+                             "phases": " / ".join(f"{r['phases'].get(k, 0):.2f}" for k in
+                                                  ("analyze", "sources", "triton"))
+                             if backend == "fusion" else ""})
                 show(rows[-1])
     return rows
 
@@ -137,10 +150,14 @@ def main() -> int:
     parser.add_argument("--profile-warm", type=int, default=0, metavar="N",
                         help="run fusion's warm first call under cProfile and print its N "
                              "costliest functions (the timing of that row includes cProfile)")
+    parser.add_argument("--profile-cold", type=int, default=0, metavar="N",
+                        help="the same for fusion's cold first call (instead of the warm one)")
     args = parser.parse_args()
     print(HEADER, flush=True)
     rows = [row for t in args.targets
-            for row in measure(t, args.compile_threads, not args.no_inductor, args.profile_warm)]
+            for row in measure(t, args.compile_threads, not args.no_inductor,
+                               args.profile_cold or args.profile_warm,
+                               "cold" if args.profile_cold else "warm")]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

@@ -47,6 +47,7 @@ class CompileContext:
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
+    seconds: dict = field(default_factory=dict)     # phase -> seconds (pipeline.compile_graph)
 
 
 @contextlib.contextmanager
@@ -140,6 +141,7 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
         publish(report)
         return gm
     report.ran_kernels = runs_kernels
+    report.phase_seconds = ctx.seconds
     report.kernels = ctx.kernels
     report.aten_ops = aten_compute_ops(new_gm)
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)

@@ -26,6 +26,7 @@ class GraphReport:
     error: str = ""                                # the compiler failed: the graph ran on ATen
     measured: list = None                          # rows of measure.measure_graph, if asked
     compile_seconds: float = 0.0                   # time in the backend's passes for this graph
+    phase_seconds: dict = field(default_factory=dict)   # analyze, sources, triton, autotune, partition
 
     @property
     def num_kernels(self) -> int:

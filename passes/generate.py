@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -54,9 +55,13 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
                             "ops": [str(n.target) for n in g.members], "runs": runs})
     if LEAN and ctx.config.compile_threads > 0:
+        started = time.perf_counter()
         _compile_kernels(ctx)
+        ctx.seconds["triton"] = time.perf_counter() - started
     if LEAN and ctx.config.autotune > 0:
+        started = time.perf_counter()
         tuned = autotune.tune(ctx)
+        ctx.seconds["autotune"] = time.perf_counter() - started
         if tuned:
             log.info("fusion-compiler: %d kernels run with tuned launch settings", tuned)
     return gm

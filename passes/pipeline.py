@@ -1,6 +1,8 @@
 """The pass pipeline, top to bottom, one pass a line."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import classify, constant_fold, fuse, generate, pad_gemm, partition, shapes
@@ -17,8 +19,15 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 
 
 def compile_graph(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    """ATen graph -> graph of generated kernels and the ATen ops left over."""
+    """ATen graph -> graph of generated kernels and the ATen ops left over. The time of each
+    phase goes to ``ctx.seconds`` (generate's Triton compiles under "triton")."""
+    started = time.perf_counter()
     gm = analyze(gm, ctx)           # groups
+    analyzed = time.perf_counter()
     gm = generate.run(gm, ctx)      # one cached Triton kernel per group
+    generated = time.perf_counter()
     gm = partition.run(gm, ctx)     # one launcher call per group; the rest stays ATen
+    compiled = ctx.seconds.get("triton", 0.0) + ctx.seconds.get("autotune", 0.0)
+    ctx.seconds.update(analyze=analyzed - started, sources=generated - analyzed - compiled,
+                       partition=time.perf_counter() - generated)
     return gm

@@ -446,3 +446,21 @@ def test_young_gc_nested_does_not_ask_for_the_freeze_count(monkeypatch):
         monkeypatch.undo()
         assert gc.get_freeze_count() > 0            # the outer freeze still stands
     assert gc.get_freeze_count() == 0
+
+
+def test_report_times_the_passes_by_phase(device):
+    """Each graph's report gives the time of its passes (compile_seconds) and of their phases:
+    the fusion decisions, the kernel sources, the ATen graph rebuilt (and Triton's compiles
+    where they run at compile time), within the whole."""
+    def f(x, w):
+        return torch.nn.functional.rms_norm(x * 2 + 1, (x.shape[-1],), w).relu()
+
+    args = (torch.randn(7, 33, device=device), torch.randn(33, device=device))
+    out, reports = compile_and_run(f, args)
+    assert_close(out, f(*args))
+    assert kernel_count(reports) == 1
+    (report,) = reports
+    phases = report.phase_seconds
+    assert {"analyze", "sources", "partition"} <= phases.keys(), phases
+    assert all(v >= 0 for v in phases.values()), phases
+    assert 0 < sum(phases.values()) <= report.compile_seconds, (phases, report.compile_seconds)
