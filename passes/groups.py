@@ -49,6 +49,10 @@ class GraphView:
         # set by the fuse pass: ops some group computes again, and the current groups
         self.recomputed_anywhere: set = set()
         self.groups: dict = {}
+        # the graph does not change while the fuse pass runs: what each node reads and which
+        # ops read it are worked out once (a search asks them for every candidate group)
+        self._args: dict = {}
+        self._consumers: dict = {}
 
     def is_data(self, n) -> bool:
         return self.kind.get(n) in DATA
@@ -56,10 +60,13 @@ class GraphView:
     def is_transparent(self, n) -> bool:
         return self.kind.get(n) in TRANSPARENT
 
-    def tensor_args(self, n):
-        if n.target in CONSTANT_VALUE_ARG:
-            return []           # a constant (full_like reads only its input's shape)
-        return [a for a in n.all_input_nodes if "fc_tensor" in a.meta]
+    def tensor_args(self, n) -> tuple:
+        found = self._args.get(n)
+        if found is None:
+            # a constant (full_like reads only its input's shape) reads no tensor
+            found = self._args[n] = () if n.target in CONSTANT_VALUE_ARG else tuple(
+                a for a in n.all_input_nodes if "fc_tensor" in a.meta)
+        return found
 
     def sources(self, n, through: set):
         """Tensors ``n`` reads, following views; stops at members of ``through``."""
@@ -72,16 +79,19 @@ class GraphView:
                 stack.extend(self.tensor_args(a))
         return out
 
-    def consumers(self, n):
+    def consumers(self, n) -> tuple:
         """Non-view users of ``n``, following views (an ATen view used by an output counts)."""
-        out, stack = [], list(n.users)
-        while stack:
-            u = stack.pop()
-            if self.is_transparent(u) and any(True for _ in u.users):
-                stack.extend(u.users)
-            else:
-                out.append(u)
-        return out
+        found = self._consumers.get(n)
+        if found is None:
+            out, stack = [], list(n.users)
+            while stack:
+                u = stack.pop()
+                if self.is_transparent(u) and any(True for _ in u.users):
+                    stack.extend(u.users)
+                else:
+                    out.append(u)
+            found = self._consumers[n] = tuple(out)
+        return found
 
 
 def _copy_elsewhere(c, m, members, view) -> bool:

@@ -1,0 +1,67 @@
+"""Time of the analysis passes (the fusion decisions) of a model's graph, cold, on the CPU.
+
+    TRITON_INTERPRET=1 python benchmarks/analyze_time.py examples/gpt2.py:bench_8x512 --reps 12
+
+The model is traced once (aot_autograd with the backend's decompositions); then
+``pipeline.analyze`` runs ``--reps`` times on copies of its graph, each with an empty cache
+folder (no stored decisions) and the lowering memo of the fuse pass cleared, as in a cold
+process, with Python's cyclic collector off while timed. Printed: the least and the median time, and a hash of the groups found (a change
+that should not move a decision must leave it as it was).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="a model factory, as in `fusion-compiler bench`")
+    parser.add_argument("--reps", type=int, default=5)
+    a = parser.parse_args()
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fusion_compiler import backend as B
+    from fusion_compiler.cli import load_factory
+    from fusion_compiler.config import Config
+    from fusion_compiler.decompositions import decomposition_table
+    from fusion_compiler.passes import fuse, pipeline
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+    model, inputs = load_factory(a.target)[0](device="cpu", dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.compile(model, backend=aot_autograd(fw_compiler=keep, inference_compiler=keep,
+                                                  decompositions=decomposition_table()))(*inputs)
+    times = []
+    for _ in range(a.reps):
+        os.environ["FUSION_COMPILER_CACHE_DIR"] = tempfile.mkdtemp()
+        gm = copy.deepcopy(graphs[0])
+        ctx = B.make_context(Config.from_env(), "inference", gm)
+        fuse._LOWERED.clear()
+        gc.collect()
+        gc.disable()            # the collector's pauses are not the passes' work
+        started = time.perf_counter()
+        pipeline.analyze(gm, ctx)
+        times.append(time.perf_counter() - started)
+        gc.enable()
+    groups = repr(sorted(sorted(str(n) for n in g.members) for g in ctx.groups))
+    print(f"{a.target}: analyze least {min(times):.3f} s, median {statistics.median(times):.3f} s "
+          f"over {a.reps}; {len(ctx.groups)} groups, {len(ctx.decisions)} decisions, groups hash "
+          f"{hashlib.sha256(groups.encode()).hexdigest()[:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
