@@ -19,7 +19,6 @@ import statistics
 import tempfile
 import time
 
-import torch
 
 
 def main() -> int:
@@ -27,27 +26,17 @@ def main() -> int:
     parser.add_argument("target", help="a model factory, as in `fusion-compiler bench`")
     parser.add_argument("--reps", type=int, default=5)
     a = parser.parse_args()
-    from torch._dynamo.backends.common import aot_autograd
+    from aten_graph import inference_graph
 
     from fusion_compiler import backend as B
-    from fusion_compiler.cli import load_factory
     from fusion_compiler.config import Config
-    from fusion_compiler.decompositions import decomposition_table
     from fusion_compiler.passes import fuse, pipeline
 
-    graphs = []
-
-    def keep(gm, _inputs):
-        graphs.append(gm)
-        return gm.forward
-    model, inputs = load_factory(a.target)[0](device="cpu", dtype=torch.bfloat16)
-    with torch.no_grad():
-        torch.compile(model, backend=aot_autograd(fw_compiler=keep, inference_compiler=keep,
-                                                  decompositions=decomposition_table()))(*inputs)
+    graph = inference_graph(a.target)
     times = []
     for _ in range(a.reps):
         os.environ["FUSION_COMPILER_CACHE_DIR"] = tempfile.mkdtemp()
-        gm = copy.deepcopy(graphs[0])
+        gm = copy.deepcopy(graph)
         ctx = B.make_context(Config.from_env(), "inference", gm)
         fuse._LOWERED.clear()
         gc.collect()

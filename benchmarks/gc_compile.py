@@ -23,13 +23,9 @@ import time
 
 os.environ["FUSION_COMPILER_CACHE_DIR"] = tempfile.mkdtemp()     # a cold compile
 
-import torch  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
-
+from aten_graph import inference_graph  # noqa: E402
 from fusion_compiler import backend as B  # noqa: E402
-from fusion_compiler.cli import load_factory  # noqa: E402
 from fusion_compiler.config import Config  # noqa: E402
-from fusion_compiler.decompositions import decomposition_table  # noqa: E402
 
 
 def main():
@@ -39,19 +35,11 @@ def main():
     ap.add_argument("--copy-graph", action="store_true",
                     help="compile a deep copy of the graph made right before")
     a = ap.parse_args()
-    graphs = []
-
-    def keep(gm, _inputs):
-        graphs.append(gm)
-        return gm.forward
-    model, inputs = load_factory(a.target)[0](device="cpu", dtype=torch.bfloat16)
-    with torch.no_grad():
-        torch.compile(model, backend=aot_autograd(fw_compiler=keep, inference_compiler=keep,
-                                                  decompositions=decomposition_table()))(*inputs)
+    graph = inference_graph(a.target)
     young_gc = B.young_gc
     if a.plain:
         B.young_gc = contextlib.nullcontext
-    gm = copy.deepcopy(graphs[0]) if a.copy_graph else graphs[0]
+    gm = copy.deepcopy(graph) if a.copy_graph else graph
     spent, started = [0.0, 0.0, 0.0], {}
 
     def on_gc(phase, info):

@@ -25,6 +25,7 @@ shapes, CPU tensors, random ops, ops that read device values on the host.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -190,23 +191,22 @@ def _side_stream(args) -> torch.cuda.Stream:
     return stream
 
 
-class _own_cublas_workspace:
+_CLEAR_CUBLAS = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
+
+
+@contextlib.contextmanager
+def _own_cublas_workspace():
     """Around a capture: cuBLAS's cached workspaces are dropped before and after, as Inductor's
     CUDA graph trees do (``clear_cublas_manager``). Before: the capture allocates a workspace of
     its own, in the graph's private pool, instead of baking in the address of one that eager
     work or another graph shares, and that torch may free while this graph still replays
     (pytorch/pytorch#193402). After: no later call on the capture stream is handed memory of
     this graph's pool. A dropped eager workspace is allocated again by the next cuBLAS call."""
-
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-
-    def __enter__(self):
-        if self.clear is not None:
-            self.clear()
-
-    def __exit__(self, *exc):
-        if self.clear is not None:
-            self.clear()
+    _CLEAR_CUBLAS()
+    try:
+        yield
+    finally:
+        _CLEAR_CUBLAS()
 
 
 def _mark_stale(handed: list) -> None:
