@@ -251,8 +251,15 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
         lines += ([] if part else ["pid = tl.program_id(0)"]) + [
                   "if INDEX64:",
                   "    pid = pid.to(tl.int64)",
-                  "xindex = pid * BLOCK + tl.arange(0, BLOCK)",
-                  "xmask = xindex < numel"]
+                  "xindex = pid * BLOCK + tl.arange(0, BLOCK)"]
+        if part:
+            lines += ["xmask = xindex < numel"]
+        else:
+            # a constant mask: Triton drops it from the loads and stores (no predicates)
+            lines += ["if EVEN:  # numel is a multiple of BLOCK",
+                      "    xmask = tl.full([BLOCK], True, tl.int1)",
+                      "else:",
+                      "    xmask = xindex < numel"]
         for stmt in lk.phases[0].outer + lk.phases[0].body:
             lines += stmt_lines(stmt)
     code = "\n".join("    " + ln for ln in lines)
@@ -267,7 +274,8 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
         nospec = '"R"'
     else:
         params += (["pid,  # the block index, from the multi-part kernel"] if part else []) + [
-            "numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"]
+            "numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"] + (
+            [] if part else ["EVEN: tl.constexpr,"])
         nospec = None   # Triton specializes numel % 16 == 0: the mask then keeps loads vectorised
     sig = "\n".join("    " + p for p in params)
     options = ([f"do_not_specialize=[{nospec}]"] if nospec else []) \
@@ -435,7 +443,7 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
                         + [f"{a} & 15, {a} == 1" for a in ints]
                         + [f"{a} > 2147483647" for a in wide])
         pos = ", ".join(addrs + runtime + constexprs)
-        kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs[:-1]]
+        kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs if c != "index64"]
                        + ["INDEX64=index64", "num_warps=num_warps"]
                        # debug would also check every int32 add for overflow, as Inductor's
                        # kernels with index asserts, it asks for the asserts alone
@@ -472,9 +480,10 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
         lines += [f"    numel = {_py(sympy.Mul(*shape))}",
                   "    if numel > 0:",
                   "        BLOCK, num_warps = pointwise_settings(numel)",
-                  "        grid = (numel + BLOCK - 1) // BLOCK"]
+                  "        grid = (numel + BLOCK - 1) // BLOCK",
+                  "        EVEN = numel % BLOCK == 0"]
         lines += launch("pointwise", "grid", kernels["pointwise"] + ["numel"],
-                        ["BLOCK", "index64"], ["BLOCK", "num_warps"], 8)
+                        ["BLOCK", "index64", "EVEN"], ["BLOCK", "num_warps", "EVEN"], 8)
     else:
         lines += [f"    R = {_py(sympy.Mul(*shape[:-1]))}",
                   f"    N = {_py(shape[-1])}",

@@ -208,3 +208,30 @@ def test_relaunch_key_holds_each_runtime_integers_width(cache_dir, device):
     compile_and_run(PATTERNS["swiglu"], (x, x.clone()), dynamic=True)
     (pointwise,) = [t for t in sources().values() if t not in (static, dynamic)]
     assert "numel > 2147483647" in pointwise
+
+
+@pytest.mark.parametrize("shape, even", [((4, 512), True), ((16, 1024), True), ((3, 700), False),
+                                         ((5, 9), False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_kernel_drops_its_mask_only_where_its_blocks_tile_the_tensor(
+        cache_dir, device, monkeypatch, shape, even, dtype):
+    """EVEN (numel a multiple of BLOCK: every lane in range) makes the kernel's mask a constant,
+    which Triton removes from the loads and stores; any other size keeps the bounds test. Both
+    give eager's numbers."""
+    from helpers import assert_close, compile_and_run, kernel_count
+    from patterns import PATTERNS
+
+    from fusion_compiler.codegen import launch
+    seen = []
+    real = launch.first_launch
+
+    def spy(table, key, kernel, grid, *args, **kwargs):
+        seen.append((kwargs["BLOCK"], kwargs["EVEN"]))
+        return real(table, key, kernel, grid, *args, **kwargs)
+    monkeypatch.setattr(launch, "first_launch", spy)
+    g, u = (torch.randn(*shape, device=device, dtype=dtype) for _ in range(2))
+    out, reports = compile_and_run(PATTERNS["swiglu"], (g, u))
+    assert kernel_count(reports) == 1
+    assert_close(out, PATTERNS["swiglu"](g, u), dtype)
+    ((block, got),) = seen
+    assert got is even and (g.numel() % block == 0) is even
