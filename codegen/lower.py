@@ -83,6 +83,9 @@ def iteration_space(ir: KernelIR):
     return "pointwise", out_shapes.pop()
 
 
+_SCALES = ("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar")
+
+
 class Lowering:
     def __init__(self, ir: KernelIR, hints: dict, persistent: bool):
         self.ir, self.hints, self.persistent = ir, hints, persistent
@@ -98,6 +101,7 @@ class Lowering:
         self.phases = [Phase()]
         self.memo: dict = {}
         self.counter = 0
+        self.products = set()   # registers holding a product (see ops.cast's guard)
         self.loads, self.stores, self.tail = [], [], []
         self.levels = self._reduction_levels()
         self.pending = []       # statements that follow the reductions of the current phase
@@ -109,6 +113,10 @@ class Lowering:
                     self.uses[ref_id(a)] += 1
         for o in ir.outputs:
             self.uses[o] += 1
+        # values some op reads other than by multiplying or dividing (an add, a sum, a cast...):
+        # the GPU compiler could contract a product rounded there with that op (lower's guard)
+        self.summed = {ref_id(a) for op in ir.ops if op.target not in _SCALES
+                       for a in _flat(op.args) if ref_id(a) is not None}
 
     # ------------------------------------------------------------------ schedule
     def run(self) -> LoweredKernel:
@@ -166,7 +174,8 @@ class Lowering:
         if kind == "mean" or dtype != torch.float32:
             expr = f"({res.name} / (N * 1.0))" if kind == "mean" else res.name
             out = Var(self._name("v"), dtype, False)
-            self.pending.append(("assign", out, ops.cast(expr, torch.float32, dtype)))
+            self.pending.append(("assign", out, ops.cast(expr, torch.float32, dtype,
+                                                         guard=False)))
         self.memo[("red", vid)] = out
 
     # ------------------------------------------------------------------ values
@@ -400,7 +409,9 @@ class Lowering:
             tensors = [p for p in printed if isinstance(p, Var)]
         if t in ops.CASTS or t == "aten.copy.default":
             src = tensors[-1]
-            return self._assign(ops.cast(src.name, src.dtype, out.dtype, saturate), out.dtype,
+            return self._assign(ops.cast(src.name, src.dtype, out.dtype, saturate,
+                                         guard=src.name in self.products
+                                         and vid in self.summed), out.dtype,
                                 row_level, t)
         if t in ops.LOGICAL or (out.dtype == torch.bool and t in ops.BOOL_BITWISE):
             fn = ops.LOGICAL.get(t) or ops.LOGICAL[ops.BOOL_BITWISE[t]]
@@ -434,7 +445,9 @@ class Lowering:
         kwargs = {k: ops.literal(v, ct) for k, v in op.kwargs if isinstance(v, (int, float))}
         expr = self._by_shared_divisor(op, printed, names, ct) or ops.POINTWISE[t](names, kwargs, ct)
         dtype = torch.bool if is_compare else out.dtype
-        return self._assign(ops.cast(expr, ct, dtype) if not is_compare else expr, dtype, row_level, t)
+        guard = " * " in expr and vid in self.summed
+        return self._assign(ops.cast(expr, ct, dtype, guard=guard) if not is_compare
+                            else expr, dtype, row_level, t)
 
     def _by_shared_divisor(self, op, printed, names, ct):
         """``a / b`` where ``b`` is one value per row (or per kernel): div.full.f32, which
@@ -471,7 +484,9 @@ class Lowering:
             if (r is not None and self.ir.values[r].shape == () and p.dtype != common
                     and 1 <= _category(p.dtype) <= _category(common)   # masks stay bool
                     and not self._keeps_scalar_precision(op, i, r, common)):
-                p = self._assign(ops.cast(p.name, p.dtype, common), common, p.row_level)
+                guard = p.name in self.products and op.target not in _SCALES
+                p = self._assign(ops.cast(p.name, p.dtype, common, guard=guard), common,
+                                 p.row_level)
             out.append(p)
         return out
 
@@ -496,6 +511,8 @@ class Lowering:
         if expr.isidentifier():     # a cast that changes nothing: same register
             return Var(expr, dtype, row_level)
         var = Var(self._name(_short(op) if op else "v"), dtype, row_level)
+        if " * " in expr:
+            self.products.add(var.name)
         self._emit_to(row_level, ("assign", var, expr))
         return var
 

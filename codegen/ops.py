@@ -236,9 +236,14 @@ def _bound(b, below: bool) -> bool:
     return b <= -FP8_E4M3_MAX if below else b >= FP8_E4M3_MAX
 
 
-def cast(expr: str, src: torch.dtype, dst: torch.dtype, saturate: bool | None = None) -> str:
+def cast(expr: str, src: torch.dtype, dst: torch.dtype, saturate: bool | None = None,
+         guard: bool = True) -> str:
     """Register value of dtype ``src`` as a register value of dtype ``dst``, rounding as eager
-    (``saturate``: an e4m3 conversion that saturates, whatever this torch's does)."""
+    (``saturate``: an e4m3 conversion that saturates, whatever this torch's does).
+
+    ``guard``: the value may be a product (the lowering knows which are not). Rounded to bf16 or
+    fp16, a product goes through ``fl.round_*``, which keeps the GPU compiler from contracting
+    it with an add that reads it (one fma, without eager's rounding in between)."""
     src_reg, dst_reg = reg_dtype(src), reg_dtype(dst)
     if dst == torch.bool and src != torch.bool:
         return f"({expr} != 0)"
@@ -247,8 +252,11 @@ def cast(expr: str, src: torch.dtype, dst: torch.dtype, saturate: bool | None = 
             return expr
         if src_reg != "tl.float32":
             expr = f"{expr}.to(tl.float32)"
+        how = "round" if guard and src.is_floating_point else "convert"
         if dst == torch.bfloat16:
-            return f"fl.round_bf16({expr})"
+            return f"fl.{how}_bf16({expr})"
+        if dst == torch.float16:
+            return f"fl.{how}_fp16({expr})"
         if dst == torch.float8_e4m3fn:
             sat = FP8_SATURATES if saturate is None else saturate
             return f"fl.round_fp8e4m3({expr}, {sat})"

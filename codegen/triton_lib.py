@@ -64,12 +64,22 @@ if INTERPRET:
         """a / b, with r = div_recip(b, k): exact here, as ``/`` is in the interpreter."""
         return a / r
 
+    @triton.jit
+    def round_fp16(x):
+        return x.to(tl.float16).to(tl.float32)
+
+    @triton.jit
+    def convert_fp16(x):
+        return x.to(tl.float16).to(tl.float32)
+
     # The interpreter truncates fp32 -> bf16; round to nearest even by hand, as the GPU does.
     @triton.jit
     def round_bf16(x):
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+    convert_bf16 = round_bf16   # on the GPU the two differ in what the compiler may fold
 
     # The interpreter's fp32 -> fp8 e4m3 conversion rounds ties away from even and gets carries
     # into the exponent wrong (124.5 -> 64). Round to nearest even by hand: scale |x| by the
@@ -146,9 +156,33 @@ if INTERPRET:
 else:
     from triton.language.extra import libdevice
 
+    # A value eager rounds between two ops goes through an identity the compiler cannot see
+    # through before it is rounded. Otherwise LLVM narrows a product rounded to bf16 into a
+    # bf16 multiply (exact) and contracts it with the add that reads it into one fma.rn.bf16x2,
+    # which skips the rounding eager does in between: dequant+add (q * s + r) then differed
+    # from eager by one bf16 step in a quarter of its elements on the H200.
+    @triton.jit
+    def _opaque(x):
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
     @triton.jit
     def round_bf16(x):
+        return _opaque(x).to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def round_fp16(x):
+        return _opaque(x).to(tl.float16).to(tl.float32)
+
+    # the same rounding, for a value that is not a product (a sum, a converted integer): the
+    # compiler may keep it in packed bf16 arithmetic (bias+GELU's add, int8 -> bf16)
+    @triton.jit
+    def convert_bf16(x):
         return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def convert_fp16(x):
+        return x.to(tl.float16).to(tl.float32)
 
     # stores convert once from the unrounded value: round-to-nearest-even, as round_* do
     @triton.jit

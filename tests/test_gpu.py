@@ -29,6 +29,26 @@ def test_pattern_large_bf16(name, rows, n):
             assert_close(a, e, name=f"{name}[{i}]")
 
 
+@pytest.mark.parametrize("name, dtype", [("dequant_add", torch.bfloat16),
+                                         ("mul_add", torch.bfloat16), ("mul_add", torch.float16)])
+def test_elementwise_chains_give_eagers_bits(name, dtype):
+    """Ops eager runs one by one, each rounding its result to bf16 / fp16: the fused kernel
+    rounds at the same places, so every bit matches (the GPU compiler must not contract a
+    rounded product with the add that reads it: tests/test_ptx.py)."""
+    def mul_add(a, b, c):
+        return a * b + c
+    fn = mul_add if name == "mul_add" else PATTERNS[name]
+    if name == "mul_add":
+        args = tuple(torch.randn(333, 4099, device="cuda", dtype=dtype) for _ in range(3))
+    else:
+        args = make_args(name, 333, 4099, dtype, "cuda")
+    out, reports = compile_and_run(fn, args)
+    assert kernel_count(reports) == 1
+    expected = fn(*args)
+    same = (out.view(torch.int16) == expected.view(torch.int16)).float().mean().item()
+    assert same == 1.0, f"{name} {dtype}: {100 * (1 - same):.3f}% of elements differ from eager"
+
+
 class AddEps(torch.nn.Module):
     """A float attribute: with dynamic=True dynamo passes it as a 0-dim CPU tensor."""
 
