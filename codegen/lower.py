@@ -83,7 +83,32 @@ def iteration_space(ir: KernelIR):
     return "pointwise", out_shapes.pop()
 
 
+# Ops that read a value without adding anything to it, so that the GPU compiler cannot contract
+# a product rounded for them into an fma; casts and views pass the question on to their readers.
 _SCALES = ("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar")
+_NO_ADD = set(_SCALES) | {
+    "aten.abs.default", "aten.amax.default", "aten.amin.default", "aten.clamp.default",
+    "aten.clamp_min.default", "aten.clamp_max.default", "aten.minimum.default",
+    "aten.maximum.default"} | {f"aten.{c}.{o}" for c in ops.COMPARE for o in ("Tensor", "Scalar")}
+_PASS_ON = ops.CASTS | VIEWS
+
+
+def _summed(ir: KernelIR) -> set:
+    """Ids of the values something may add to (an add, a sum, an op not known to scale):
+    rounded there, a product needs ``fl.round_*``'s guard."""
+    readers: dict = {}
+    for i, op in enumerate(ir.ops):
+        for a in _flat(op.args):
+            if ref_id(a) is not None:
+                readers.setdefault(ref_id(a), []).append((op.target, len(ir.inputs) + i))
+    memo: dict = {}
+
+    def summed(v) -> bool:
+        if v not in memo:
+            memo[v] = any(summed(out) if t in _PASS_ON else t not in _NO_ADD
+                          for t, out in readers.get(v, ()))
+        return memo[v]
+    return {v for v in range(len(ir.values)) if summed(v)}
 
 
 class Lowering:
@@ -113,10 +138,7 @@ class Lowering:
                     self.uses[ref_id(a)] += 1
         for o in ir.outputs:
             self.uses[o] += 1
-        # values some op reads other than by multiplying or dividing (an add, a sum, a cast...):
-        # the GPU compiler could contract a product rounded there with that op (lower's guard)
-        self.summed = {ref_id(a) for op in ir.ops if op.target not in _SCALES
-                       for a in _flat(op.args) if ref_id(a) is not None}
+        self.summed = _summed(ir)
 
     # ------------------------------------------------------------------ schedule
     def run(self) -> LoweredKernel:
