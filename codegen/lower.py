@@ -85,8 +85,8 @@ def iteration_space(ir: KernelIR):
 
 # Ops that read a value without adding anything to it, so that the GPU compiler cannot contract
 # a product rounded for them into an fma; casts and views pass the question on to their readers.
-_SCALES = ("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar")
-_NO_ADD = set(_SCALES) | {
+_NO_ADD = {
+    "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
     "aten.abs.default", "aten.amax.default", "aten.amin.default", "aten.clamp.default",
     "aten.clamp_min.default", "aten.clamp_max.default", "aten.minimum.default",
     "aten.maximum.default"} | {f"aten.{c}.{o}" for c in ops.COMPARE for o in ("Tensor", "Scalar")}
@@ -506,7 +506,7 @@ class Lowering:
             if (r is not None and self.ir.values[r].shape == () and p.dtype != common
                     and 1 <= _category(p.dtype) <= _category(common)   # masks stay bool
                     and not self._keeps_scalar_precision(op, i, r, common)):
-                guard = p.name in self.products and op.target not in _SCALES
+                guard = p.name in self.products and op.target not in _NO_ADD
                 p = self._assign(ops.cast(p.name, p.dtype, common, guard=guard), common,
                                  p.row_level)
             out.append(p)

@@ -124,11 +124,12 @@ def launch_specs(ctx) -> list:
     return specs
 
 
-def compile_specs(specs: list, target) -> list:
+def compile_specs(specs: list, target, asm: tuple = ()) -> list:
     """Compile launches described by plain data (for a process of its own, where Triton's
     interpreter has never been loaded): each spec names a generated module's file, one of its
     kernels and the recorded arguments. Returns, per spec, the compiled kernel's name, shared
-    memory, cubin size and the libdevice functions it calls."""
+    memory, cubin size and the libdevice functions it calls, and the text of each stage named
+    in ``asm`` ("ptx", "llir", ...)."""
     import sys
     from pathlib import Path
 
@@ -146,7 +147,8 @@ def compile_specs(specs: list, target) -> list:
                                       spec["kwargs"], target)
         done.append({"name": compiled.metadata.name, "shared": compiled.metadata.shared,
                      "cubin_bytes": len(compiled.asm["cubin"]),
-                     "libdevice": sorted(set(re.findall(r"__nv_\w+", compiled.asm["llir"])))})
+                     "libdevice": sorted(set(re.findall(r"__nv_\w+", compiled.asm["llir"]))),
+                     **{stage: compiled.asm[stage] for stage in asm}})
     return done
 
 

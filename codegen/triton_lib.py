@@ -68,9 +68,7 @@ if INTERPRET:
     def round_fp16(x):
         return x.to(tl.float16).to(tl.float32)
 
-    @triton.jit
-    def convert_fp16(x):
-        return x.to(tl.float16).to(tl.float32)
+    convert_fp16 = round_fp16   # on the GPU the two differ in what the compiler may fold
 
     # The interpreter truncates fp32 -> bf16; round to nearest even by hand, as the GPU does.
     @triton.jit
@@ -79,7 +77,7 @@ if INTERPRET:
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
-    convert_bf16 = round_bf16   # on the GPU the two differ in what the compiler may fold
+    convert_bf16 = round_bf16   # as convert_fp16
 
     # The interpreter's fp32 -> fp8 e4m3 conversion rounds ties away from even and gets carries
     # into the exponent wrong (124.5 -> 64). Round to nearest even by hand: scale |x| by the
@@ -166,15 +164,7 @@ else:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
 
-    @triton.jit
-    def round_bf16(x):
-        return _opaque(x).to(tl.bfloat16).to(tl.float32)
-
-    @triton.jit
-    def round_fp16(x):
-        return _opaque(x).to(tl.float16).to(tl.float32)
-
-    # the same rounding, for a value that is not a product (a sum, a converted integer): the
+    # the plain rounding, for a value that is not a product (a sum, a converted integer): the
     # compiler may keep it in packed bf16 arithmetic (bias+GELU's add, int8 -> bf16)
     @triton.jit
     def convert_bf16(x):
@@ -183,6 +173,14 @@ else:
     @triton.jit
     def convert_fp16(x):
         return x.to(tl.float16).to(tl.float32)
+
+    @triton.jit
+    def round_bf16(x):
+        return convert_bf16(_opaque(x))
+
+    @triton.jit
+    def round_fp16(x):
+        return convert_fp16(_opaque(x))
 
     # stores convert once from the unrounded value: round-to-nearest-even, as round_* do
     @triton.jit
