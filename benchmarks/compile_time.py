@@ -28,7 +28,9 @@ starts). The columns:
                   first launches, outside this column)
   of which        (fusion) the passes' phases, from the reports: analyze (the fusion
                   decisions), sources (kernel modules written or loaded), triton (Triton's
-                  compiles or cache loads, on the compile threads: codegen/precompile.py)
+                  compiles or cache loads, on the compile threads: codegen/precompile.py),
+                  autotune (timing launch settings, or loading the stored choices; 0 when
+                  autotuning is off, as by default: ``--autotune K`` adds runs with it on)
 Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -67,8 +69,10 @@ phases = {}
 for r in reports:
     for k, v in r.phase_seconds.items():
         phases[k] = phases.get(k, 0.0) + v
+tuned = [k["tuned"] for r in reports for k in r.kernels if "tuned" in k]
 print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in reports),
-                  "phases": phases,
+                  "phases": phases, "tuned": len(tuned),
+                  "retuned": sum(t["settings"] != t["rule"] for t in tuned),
                   "in_backend": sum(metrics.get("OutputGraph.call_user_compiler", [])),
                   "dynamo": sum(metrics.get("_compile.compile_inner", []))}))
 '''
@@ -90,7 +94,7 @@ def first_call(target: str, backend: str, env: dict, profile: int = 0) -> dict:
 
 HEADER = (f"{'target':34s} {'run':15s} {'first call s':>12s} {'backend s':>10s} "
           f"{'in backend s':>12s} {'own s':>6s} {'after s':>8s} {'passes s':>9s}  "
-          f"of which: analyze / sources / triton")
+          f"of which: analyze / sources / triton / autotune")
 
 
 def show(r: dict) -> None:
@@ -102,7 +106,7 @@ def show(r: dict) -> None:
 
 
 def measure(target: str, threads=(None,), inductor=True, profile=0,
-            profile_run="warm") -> list[dict]:
+            profile_run="warm", autotune=0) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,6 +125,9 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
         runs += [("fusion", "fusion" if t is None else f"fusion t={t}",
                   {} if t is None else {"FUSION_COMPILER_COMPILE_THREADS": str(t)})
                  for t in threads]
+        if autotune:
+            runs.append(("fusion", f"fusion tune={autotune}",
+                         {"FUSION_COMPILER_AUTOTUNE": str(autotune)}))
         for backend, name, extra in runs:
             for run in ("cold", "warm"):
                 r = first_call(target, backend, dict(env(name), **extra),
@@ -132,7 +139,9 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
                              "after_compile": r["seconds"] - r["dynamo"],
                              "passes_seconds": r["passes"] if backend == "fusion" else None,
                              "phases": " / ".join(f"{r['phases'].get(k, 0):.2f}" for k in
-                                                  ("analyze", "sources", "triton"))
+                                                  ("analyze", "sources", "triton", "autotune"))
+                             + (f" (tuned {r['tuned']}, {r['retuned']} off the rule)"
+                                if r["tuned"] else "")
                              if backend == "fusion" else ""})
                 show(rows[-1])
     return rows
@@ -152,12 +161,15 @@ def main() -> int:
                              "costliest functions (the timing of that row includes cProfile)")
     parser.add_argument("--profile-cold", type=int, default=0, metavar="N",
                         help="the same for fusion's cold first call (instead of the warm one)")
+    parser.add_argument("--autotune", type=int, default=0, metavar="K",
+                        help="also run fusion with FUSION_COMPILER_AUTOTUNE=K (cold: the tuning "
+                             "is timed; warm: its stored choices are loaded)")
     args = parser.parse_args()
     print(HEADER, flush=True)
     rows = [row for t in args.targets
             for row in measure(t, args.compile_threads, not args.no_inductor,
                                args.profile_cold or args.profile_warm,
-                               "cold" if args.profile_cold else "warm")]
+                               "cold" if args.profile_cold else "warm", args.autotune)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

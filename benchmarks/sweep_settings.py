@@ -41,8 +41,8 @@ def row_settings(rows, n, maxp):
     return FORCE.get("row") or _row(rows, n, maxp)
 
 
-def pointwise_settings(numel):
-    return FORCE.get("pointwise") or _pw(numel)
+def pointwise_settings(numel, stream_bytes=2):
+    return FORCE.get("pointwise") or _pw(numel, stream_bytes)
 
 
 L.row_settings, L.pointwise_settings = row_settings, pointwise_settings

@@ -44,6 +44,9 @@ from fusion_compiler.cli import load_factory  # noqa: E402
 
 
 def main() -> int:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
     compiles, spans = [], []
 
     def listener(src, metadata, metadata_group, times, cache_hit):

@@ -130,7 +130,7 @@ def const_n(n):
 
 
 def block(b, w):
-    return (r"BLOCK, num_warps = pointwise_settings\(numel\)", f"BLOCK, num_warps = {b}, {w}")
+    return (r"BLOCK, num_warps = pointwise_settings\(numel, \d+\)", f"BLOCK, num_warps = {b}, {w}")
 
 
 def rows(x, w):
@@ -162,6 +162,7 @@ VARIANTS = {
         "no masks, block 4096 w8": NO_MASK + [block(4096, 8)],
     },
     "swiglu": {
+        "block 2048 w4": [block(2048, 4)],
         "block 4096 w8": [block(4096, 8)],
         "block 1024 w4": [block(1024, 4)],
         "no masks": NO_MASK,
@@ -172,6 +173,7 @@ VARIANTS = {
         "fp32 silu": [NO_ROUND],
     },
     "dequant_add": {
+        "block 2048 w4": [block(2048, 4)],
         "block 4096 w8": [block(4096, 8)],
         "block 1024 w4": [block(1024, 4)],
     },

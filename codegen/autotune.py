@@ -91,8 +91,8 @@ def _override(module: dict, kind: str, table: dict) -> None:
     else:
         rule = L.pointwise_settings
 
-        def pointwise_settings(numel):
-            return table.get(numel) or rule(numel)
+        def pointwise_settings(numel, stream_bytes=2):
+            return table.get(numel) or rule(numel, stream_bytes)
         module["pointwise_settings"] = pointwise_settings
     module["_TUNED"] = table
 
@@ -185,8 +185,9 @@ def _tune_one(ctx, g, kernel: dict, time_fn) -> int:
     if len(calls) != 1:
         return 0
     sizes = _sizes(kind, calls[0])
+    kwargs = calls[0][3]
     rule = (L.row_settings(*sizes, ctx.config.max_persistent_block) if kind == "row"
-            else L.pointwise_settings(sizes))
+            else (kwargs["BLOCK"], kwargs["num_warps"]))       # the launcher's own rule
     if kind == "row" and rule[2]:
         return 0                        # looped kernels: settings are not their limit
     table = module.get("_TUNED", {})

@@ -18,6 +18,7 @@ ROW_ELEMS = 2048            # elements a persistent row program aims to hold (ro
                             # softmax rows of 1024 on the H200: 2 rows, 4 warps 101% of the
                             # floor, 4 rows, 8 warps 98%
 POINTWISE_BLOCK = 2048      # bias+GELU 16384 x 11008 on the H200: 91% of the floor at 1024, 97%
+PROGRAM_BYTES = 4096        # bytes of full-size inputs a pointwise program aims to load (below)
 
 
 def _next_pow2(n: int) -> int:
@@ -66,11 +67,20 @@ def row_settings(rows: int, n: int, max_persistent_block: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def pointwise_settings(numel: int):
-    """(BLOCK, num_warps) for a pointwise kernel over ``numel`` elements. Small grids were
-    tried and left: dequant+add over 64 x 4096 (128 programs of 2048 on 132 SMs) ran 1.9 us
-    in blocks of 2048 and of 512 alike (kernel time after an L2 flush, H200)."""
-    block = min(POINTWISE_BLOCK, _next_pow2(numel))
+def pointwise_settings(numel: int, stream_bytes: int = 2):
+    """(BLOCK, num_warps) for a pointwise kernel over ``numel`` elements that loads
+    ``stream_bytes`` bytes per element from inputs as large as its output (broadcast operands
+    such as a bias not counted). A program loads about ``PROGRAM_BYTES`` of them: 2048
+    elements of one bf16 stream, 1024 of two. 16384 x 11008 on the H200 (benchmarks/variants.py,
+    same run, us): bias+GELU (one stream) 173.3 at 2048 against 184.4 at 1024; SwiGLU (two
+    bf16 streams) 252.7 at 2048 against 252.0 at 1024 (Inductor's block, and its 251.7);
+    dequant+add (int8 + bf16) level, 83.1-83.4. Small grids were tried and left: dequant+add
+    over 64 x 4096 (128 programs of 2048 on 132 SMs) ran 1.9 us in blocks of 2048 and of 512
+    alike (kernel time after an L2 flush, H200)."""
+    block = POINTWISE_BLOCK
+    if stream_bytes * block > PROGRAM_BYTES:
+        block //= 2
+    block = min(block, _next_pow2(numel))
     return block, max(1, min(4, block // 128))
 
 

@@ -379,6 +379,18 @@ def _py(e) -> str:
     return print_expr(sympy.sympify(e))
 
 
+def stream_bytes(ir: KernelIR, shape) -> int:
+    """Bytes per element a pointwise kernel over ``shape`` loads from inputs with as many
+    distinct elements as it has (a broadcast bias or scale is read from cache, not counted)."""
+    numel = sympy.expand(sympy.Mul(*shape))
+    total = 0
+    for v in ir.inputs:
+        distinct = sympy.Mul(*(s for s, st in zip(v.shape, v.stride) if st != 0))
+        if not v.host_scalar and sympy.expand(distinct - numel) == 0:
+            total += v.dtype.itemsize
+    return total
+
+
 def _max_offset(shape, stride):
     return sum(((s - 1) * st for s, st in zip(shape, stride)), sympy.Integer(0))
 
@@ -479,7 +491,7 @@ def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_bl
     elif kind == "pointwise":
         lines += [f"    numel = {_py(sympy.Mul(*shape))}",
                   "    if numel > 0:",
-                  "        BLOCK, num_warps = pointwise_settings(numel)",
+                  f"        BLOCK, num_warps = pointwise_settings(numel, {stream_bytes(ir, shape)})",
                   "        grid = (numel + BLOCK - 1) // BLOCK",
                   "        EVEN = numel % BLOCK == 0"]
         lines += launch("pointwise", "grid", kernels["pointwise"] + ["numel"],

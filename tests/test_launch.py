@@ -235,3 +235,36 @@ def test_pointwise_kernel_drops_its_mask_only_where_its_blocks_tile_the_tensor(
     assert_close(out, PATTERNS["swiglu"](g, u), dtype)
     ((block, got),) = seen
     assert got is even and (g.numel() % block == 0) is even
+
+
+@pytest.mark.parametrize("name, dtype, stream, block", [
+    ("swiglu", torch.bfloat16, 4, 1024),        # two full-size bf16 inputs
+    ("swiglu", torch.float32, 8, 1024),
+    ("bias_gelu", torch.bfloat16, 2, 2048),     # one full-size input; the bias is broadcast
+    ("bias_gelu", torch.float32, 4, 1024),
+    ("dequant_add", torch.bfloat16, 3, 1024),   # int8 values and a bf16 residual; scales per column
+])
+def test_pointwise_block_follows_the_bytes_each_element_streams_in(
+        cache_dir, device, monkeypatch, name, dtype, stream, block):
+    """A pointwise launcher asks for its settings with the bytes per element it loads from
+    inputs as large as its output (broadcast ones not counted); a program then loads about
+    PROGRAM_BYTES of them: 2048 elements of one bf16 stream, 1024 of two. The numbers stay
+    eager's."""
+    from helpers import assert_close, compile_and_run, kernel_count
+    from patterns import PATTERNS, make_args
+
+    from fusion_compiler.codegen import launch
+    seen = []
+    real = launch.first_launch
+
+    def spy(table, key, kernel, grid, *args, **kwargs):
+        seen.append(kwargs["BLOCK"])
+        return real(table, key, kernel, grid, *args, **kwargs)
+    monkeypatch.setattr(launch, "first_launch", spy)
+    args = make_args(name, 6, 1000, dtype, device)
+    out, reports = compile_and_run(PATTERNS[name], args)
+    assert kernel_count(reports) == 1
+    assert_close(out, PATTERNS[name](*args), dtype)
+    (source,) = [p.read_text() for p in cache_dir.rglob("*.py")]
+    assert f"pointwise_settings(numel, {stream})" in source
+    assert seen == [block] == [launch.pointwise_settings(6000, stream)[0]]
