@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
         "bench", help="time eager vs Inductor vs fusion on the GPU",
         description="Time a model or the built-in patterns with eager PyTorch, torch.compile's "
                     "default (Inductor) and the fusion backend in one run: median latency, "
-                    "speedup, %% of the HBM floor (patterns), kernels per call, compile times, "
+                    "speedup, % of the HBM floor (patterns), kernels per call, compile times, "
                     "peak memory, max error vs eager. Needs a CUDA GPU.",
         epilog="TARGET: a built-in pattern name (add_rmsnorm, swiglu, ...), 'patterns' for all "
                "of them, or a model as in `dump` (file.py, file.py:factory, module:factory).")
