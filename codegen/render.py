@@ -260,7 +260,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
                       "    xmask = tl.full([BLOCK], True, tl.int1)",
                       "else:",
                       "    xmask = xindex < numel"]
-        for stmt in lk.phases[0].outer + lk.phases[0].body:
+        for stmt in _loads_first(lk.phases[0].outer + lk.phases[0].body):
             lines += stmt_lines(stmt)
     code = "\n".join("    " + ln for ln in lines)
     size_args = sorted({m for m in re.findall(r"\bk\d+\b", code)}, key=lambda s: int(s[1:]))
@@ -283,6 +283,20 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
     deco = f"@triton.jit({', '.join(options)})" if options else "@triton.jit"
     src = f"{deco}\ndef {name}(\n{sig}\n):\n{code}"
     return src, size_args
+
+
+def _loads_first(stmts: list) -> list:
+    """A pointwise body with its direct loads (addressed by the block's indices alone, not by
+    a loaded index) first, the rest in order: every input is requested before any arithmetic
+    waits on one, as Inductor's kernels do."""
+    regs = {st[1].name for st in stmts if st[0] in ("load", "assign", "select")}
+
+    def direct(st):
+        if st[0] != "load":
+            return False
+        names = {s.name for e in (st[3], *st[4]) for s in sympy.sympify(e).free_symbols}
+        return not names & regs
+    return [st for st in stmts if direct(st)] + [st for st in stmts if not direct(st)]
 
 
 _STORE_FN = {torch.bfloat16: ("fl.round_bf16(", "fl.store_bf16("),

@@ -268,3 +268,34 @@ def test_pointwise_block_follows_the_bytes_each_element_streams_in(
     (source,) = [p.read_text() for p in cache_dir.rglob("*.py")]
     assert f"pointwise_settings(numel, {stream})" in source
     assert seen == [block] == [launch.pointwise_settings(6000, stream)[0]]
+
+
+def test_pointwise_kernel_requests_every_input_before_computing(cache_dir, device):
+    """A pointwise kernel's direct loads come first (every input requested before arithmetic
+    waits on one); a load addressed by a loaded index (a gather's) stays after that index."""
+    from helpers import assert_close, compile_and_run, kernel_count
+    from patterns import PATTERNS, make_args
+
+    args = make_args("swiglu", 5, 33, torch.bfloat16, device)
+    out, reports = compile_and_run(PATTERNS["swiglu"], args)
+    assert kernel_count(reports) == 1
+    assert_close(out, PATTERNS["swiglu"](*args), torch.bfloat16)
+    (source,) = [p.read_text() for p in cache_dir.rglob("*.py")]
+    body = source[source.index("xmask = xindex < numel"):source.index("tl.store(")].splitlines()[1:]
+    assert [ln.strip().split(" = ")[1][:10] for ln in body[:2]] == ["tl.load(in"] * 2
+    assert all("tl.load(" not in ln for ln in body[2:])
+
+    table = torch.randn(50, 33, device=device)
+    idx = torch.randint(0, 50, (5,), device=device)
+    bias = torch.randn(33, device=device)
+
+    def embed_add(idx, table, bias):
+        return torch.nn.functional.embedding(idx, table) + bias
+    out, reports = compile_and_run(embed_add, (idx, table, bias))
+    assert kernel_count(reports) == 1
+    assert_close(out, embed_add(idx, table, bias), torch.float32)
+    (source,) = [p.read_text() for p in cache_dir.rglob("*.py") if "embedding" in p.read_text()]
+    lines = [ln.strip() for ln in source.splitlines() if "tl.load(" in ln]
+    index_at = next(i for i, ln in enumerate(lines) if ln.startswith("x") and "in0 + " in ln)
+    row_at = next(i for i, ln in enumerate(lines) if "in1 + " in ln)
+    assert index_at < row_at
