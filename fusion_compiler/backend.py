@@ -47,6 +47,7 @@ class CompileContext:
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
+    empty_values: list = field(default_factory=list)    # node names, empty_values
     seconds: dict = field(default_factory=dict)     # phase -> seconds (pipeline.compile_graph)
 
 

@@ -173,6 +173,9 @@ def render_table(doc) -> str:
             out += ["", f"computed once, at compile time ({len(s['constants'])} constants, "
                         f"{human_bytes(sum(c['bytes'] for c in s['constants']))}): "
                         + ", ".join(c["node"] for c in s["constants"])]
+        if s.get("empty"):
+            out += ["", f"no elements, allocated instead of computed ({len(s['empty'])}): "
+                        + ", ".join(s["empty"])]
         out += ["", f"refused fusions ({len(s['refused'])}; score: estimated time the fusion "
                     "would have saved)"]
         sections = refused_sections(s)

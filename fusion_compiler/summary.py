@@ -103,6 +103,7 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "kind": ctx.kind, "profile": ctx.profile.name, "groups": groups, "aten_ops": aten,
         "refused": refused, "edges": edges,
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
+        "empty": list(ctx.empty_values),
         "totals": {
             "fusible_ops": len(in_groups),
             "kernels_before": len(in_groups),

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from . import classify, constant_fold, fuse, generate, pad_gemm, partition, shapes
+from . import classify, constant_fold, empty_values, fuse, generate, pad_gemm, partition, shapes
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -14,6 +14,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
+    gm = empty_values.run(gm, ctx)  # values with no elements: allocated, not computed
     gm = fuse.run(gm, ctx)          # priority fusion into groups, every decision recorded
     return gm
 

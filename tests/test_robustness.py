@@ -505,6 +505,37 @@ def test_empty_rows(shape, op, device):
     check(fn, (torch.randn(*shape, device=device),))
 
 
+@pytest.mark.parametrize("shape", [(0, 7, 5), (0, 0), (3, 0)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_values_with_no_elements_are_allocated_not_computed(shape, dtype, device):
+    """The decomposed softmax of an empty tensor runs no kernel and no ATen op but one
+    allocation (passes/empty_values.py), with eager's size, strides and dtype; the report
+    names what was allocated. A row sum over an empty dim (zeros, where there are rows) is
+    still right."""
+    from fusion_compiler.dump_format import render_table
+
+    def fn(a):
+        return torch.softmax(a.float() * 0.125, dim=-1).to(a.dtype), (a * 2).sum(-1)
+    x = torch.randn(*shape, device=device, dtype=dtype)
+    (soft, total), reports = compile_and_run(fn, (x,))
+    want_soft, want_total = fn(x)
+    assert (soft.shape, soft.stride(), soft.dtype) == (want_soft.shape, want_soft.stride(),
+                                                        want_soft.dtype)
+    assert_close(total, want_total, dtype)
+    (report,) = reports
+    assert kernel_count(reports) == 0
+    # a sum over an extent of 0 stays (zeros where rows exist; a reduction over nothing is
+    # left to ATen, which says where it is an error)
+    left = [op for op in report.aten_ops if op != "aten.empty_strided.default"]
+    assert left == ([] if shape[-1] else ["aten.sum.dim_IntList"])
+    assert "exp" in report.summary["empty"] and "div" in report.summary["empty"]
+    doc = {"target": "t", "graphs": [dict(report.summary, kernels=report.kernels,
+                                          ran_kernels=report.ran_kernels)],
+           "options": {"device": "-", "dtype": None, "training": False, "dynamic": False,
+                       "profile": "p", "code": False}}
+    assert "no elements, allocated instead of computed" in render_table(doc)
+
+
 @pytest.mark.parametrize("shape", [(4, 0), (0, 0), (0,)], ids=str)
 @pytest.mark.parametrize("op", ["amax", "amin", "softmax-amax"])
 def test_reduction_without_identity_over_an_empty_dim_raises_like_eager(shape, op, device):
