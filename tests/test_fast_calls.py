@@ -219,3 +219,19 @@ def test_a_view_of_a_collapsed_chain_is_collapsed_too(monkeypatch, device):
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert calls.count(fast_calls.REINTERPRET) == 2, gm.code        # h, and h.t() from it
     assert not set(calls) & _view_targets(), gm.code
+
+
+def test_an_allocation_of_a_value_with_no_elements_is_a_direct_call(monkeypatch, device):
+    """passes/empty_values' allocation runs through torch.empty_strided, not its overload
+    (6.0 against 1.2 us of host time on the development CPU), with eager's layout."""
+    x = torch.randn(0, 6, 5, device=device, dtype=torch.bfloat16)
+
+    def fn(a):
+        return torch.softmax(a.float() * 0.125, dim=-1).to(a.dtype)
+    out, reports, gm = _compiled_graph(monkeypatch, fn, (x,))
+    want = fn(x)
+    assert (out.shape, out.stride(), out.dtype, out.device) == (want.shape, want.stride(),
+                                                                 want.dtype, want.device)
+    assert kernel_count(reports) == 0 and leftover_aten(reports) == ["aten.empty_strided.default"]
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.empty_strided]
