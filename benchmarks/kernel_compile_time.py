@@ -10,7 +10,8 @@ compile time), recording each launch the first GPU call would make (as the sm_90
 tests/test_precompile.py does). Then, in a process of its own (Triton's interpreter and its
 compiler cannot share one) and with an empty Triton cache, every distinct launch is compiled
 for sm_90 (front end, MLIR, LLVM, ptxas) on ``--threads`` threads, and the time of each is
-printed, with the libdevice functions each kernel links. Loading the binaries and building
+printed, with Triton's stage times (front end: the kernel's AST to TTIR, in Python, holding
+the GIL; then TTIR, TTGIR, LLVM IR, PTX, cubin) and the libdevice functions each kernel links. Loading the binaries and building
 Triton's C launchers needs a GPU and is not included.
 """
 import argparse
@@ -22,14 +23,21 @@ import sys
 import tempfile
 
 COMPILE = r'''
-import concurrent.futures, json, pickle, sys, time
+import concurrent.futures, json, pickle, sys, threading, time
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from fusion_compiler.codegen.precompile import compile_specs
 specs, threads = pickle.load(sys.stdin.buffer)
+stages = threading.local()
+def listener(src, metadata, metadata_group, times, cache_hit):
+    stages.times = [("front end", times.ir_initialization / 1e6)] + [
+        (n, v / 1e6) for n, v in times.lowering_stages]
+knobs.compilation.listener = listener
 def one(spec):
     t = time.perf_counter()
+    stages.times = []
     (r,) = compile_specs([spec], GPUTarget("cuda", 90, 32))
-    return dict(r, seconds=time.perf_counter() - t)
+    return dict(r, seconds=time.perf_counter() - t, stages=stages.times)
 t = time.perf_counter()
 with concurrent.futures.ThreadPoolExecutor(threads) as pool:
     rows = list(pool.map(one, specs))
@@ -37,7 +45,7 @@ print(json.dumps({"seconds": time.perf_counter() - t, "kernels": rows}))
 '''
 
 
-def record(target: str, factory_args: dict) -> list:
+def record(target: str, factory_args: dict, dtype=None) -> list:
     """The distinct launches of the target's first call, as plain data."""
     import torch
 
@@ -53,7 +61,7 @@ def record(target: str, factory_args: dict) -> list:
     generate.LEAN = True
     generate._compile_kernels = spy
     factory = load_factory(target)[0]
-    model, inputs = factory(**factory_args)
+    model, inputs = factory(**factory_args, **({"dtype": dtype} if dtype is not None else {}))
     with torch.no_grad():
         torch.compile(model, backend="fusion")(*inputs)
     return list(specs.values())
@@ -64,12 +72,16 @@ def main():
     ap.add_argument("target")
     ap.add_argument("--factory-args", nargs="*", default=[], metavar="KEY=INT")
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="the factory's dtype argument (the bench factories' is bfloat16)")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         # re-run this script with the interpreter on, before triton is imported
         env = dict(os.environ, TRITON_INTERPRET="1")
         sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
-    specs = record(a.target, {k: int(v) for k, v in (kv.split("=") for kv in a.factory_args)})
+    import torch
+    specs = record(a.target, {k: int(v) for k, v in (kv.split("=") for kv in a.factory_args)},
+                   getattr(torch, a.dtype) if a.dtype else None)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for threads in a.threads:
         with tempfile.TemporaryDirectory() as cache:
@@ -82,6 +94,12 @@ def main():
               f"kernel), {threads} thread(s): {result['seconds']:.2f} s")
         for k in compiled:
             print(f"  {k['name']:22s} {k['seconds']:.2f} s  libdevice: {k['libdevice'] or '-'}")
+            print("      " + "  ".join(f"{n} {v:.3f}" for n, v in k.get("stages", [])))
+        totals: dict = {}
+        for k in compiled:
+            for n, v in k.get("stages", []):
+                totals[n] = totals.get(n, 0.0) + v
+        print("  all kernels, s: " + "  ".join(f"{n} {v:.3f}" for n, v in totals.items()))
 
 
 if __name__ == "__main__":
