@@ -1,19 +1,57 @@
 #!/usr/bin/env bash
-# One device run: install, the whole test suite on the GPU, then the pattern benchmark.
-#   bash benchmarks/gpu_check.sh   (writes logs and JSON under $OUT)
-# The suite runs on 8 workers (pytest-xdist, on the device image) with a per-test timeout, and
-# `-rfE` so the failures are named even if the run is cut: a log without its summary tells
-# nothing (the 2026-11-29 final run lost its failures that way).
+# One device run: install, the GPU suite, the patterns (small sizes first), the models, and
+# optionally compile time. Everything it prints goes to one log, $OUT/all.log, and each step's
+# JSON beside it: a device call returns at most 8 files (session 13 lost two logs to that).
+#   bash benchmarks/gpu_check.sh
+#   STEPS="suite small patterns models compile" COMPILE_TARGETS="examples/bert.py:bench_16x256" \
+#       bash benchmarks/gpu_check.sh
+# Each step has its own time limit. Output reaches the log line by line (python -u, grep
+# --line-buffered), so a step cut by its limit still shows what it printed (session 13 lost a
+# compile-time table that sat in a pipe's buffer). The suite runs on 8 workers with a per-test
+# timeout and `-rfE`, so failures are named even if the run is cut.
+# Small sizes run before anything else: timed after the 16384-row cases in the same process,
+# their rounds disagreed by up to 8x for every backend (session 13, calls 1 and 3).
+# Compile time runs with the site-packages compiled to .pyc first (PYTHONPYCACHEPREFIX): a
+# normal install has them, the device image does not, and compiling modules from source
+# during a cold compile (0.48 s for Llama 1 x 128, session 12) is not the backend's cost.
 set -o pipefail
 OUT=${OUT:-/tmp/fc-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install --no-deps --no-build-isolation --no-index -q -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider tests -rfE \
-    --timeout=${PER_TEST_TIMEOUT:-120} --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "^(FAILED|ERROR)|passed|failed" | tail -60
-[ -n "${SKIP_BENCH:-}" ] && exit 0
-timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/patterns.py --out "$OUT/patterns.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v Warning
-# the same through the CLI, with launches, compile times, memory and errors
-[ -n "${CLI_BENCH:-}" ] && timeout ${BENCH_TIMEOUT:-240} fusion-compiler bench $CLI_BENCH -o "$OUT/cli_bench.json" 2>&1 | tee "$OUT/cli_bench.log" | tail -30
+LOG="$OUT/all.log"
+STEPS=${STEPS:-"suite small patterns models"}
+MODELS=${MODELS:-"examples/llama.py:bench_1x128 examples/llama.py:bench_4x1024 examples/gpt2.py:bench_8x512 examples/bert.py:bench_16x256"}
+COMPILE_TARGETS=${COMPILE_TARGETS:-"examples/llama.py:bench_1x128"}
+
+step() {    # step NAME SECONDS COMMAND: the command's output into the log, with its rc and time
+    local name=$1 limit=$2; shift 2
+    local start=$(date +%s)
+    echo "===== $name: $*" >> "$LOG"
+    timeout "$limit" bash -c "$*" >> "$LOG" 2>&1
+    echo "===== $name rc=$? $(( $(date +%s) - start ))s" >> "$LOG"
+}
+quiet="grep --line-buffered -v -e Warning -e 'warn(' -e 'warner('"
+
+python3 -m pip install --no-deps --no-build-isolation --no-index -q -e . >> "$LOG" 2>&1
+{ git log --oneline -1; git status --short;
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; } >> "$LOG" 2>&1
+for s in $STEPS; do
+    case $s in
+    suite) step suite 240 "python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider tests -rfE \
+        --timeout=120 --tb=short -p no:warnings ${PYTEST_ARGS:-} 2>&1 | $quiet | tail -40" ;;
+    small) step small 150 "python3 benchmarks/patterns.py --rows 64 512 1 --rounds 5 \
+        --out $OUT/patterns_small.json 2>&1 | $quiet" ;;
+    patterns) step patterns 120 "python3 benchmarks/patterns.py --rows 16384 \
+        --out $OUT/patterns.json 2>&1 | $quiet" ;;
+    models) step models 240 "fusion-compiler bench $MODELS --compare eager,inductor,fusion \
+        -o $OUT/models.json 2>&1 | $quiet" ;;
+    compile)
+        export PYTHONPYCACHEPREFIX=/tmp/pyc
+        sp=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+        step pyc 90 "python3 -m compileall -q -j 16 $sp/torch $sp/triton $sp/transformers \
+            $sp/sympy $sp/networkx . > /dev/null; du -sh /tmp/pyc"
+        step compile $(( 100 * $(echo $COMPILE_TARGETS | wc -w) )) "python3 benchmarks/compile_time.py \
+            $COMPILE_TARGETS -o $OUT/compile.json 2>&1 | $quiet" ;;
+    esac
+done
+grep "^=====" "$LOG"
