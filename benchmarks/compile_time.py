@@ -2,6 +2,8 @@
 
     python benchmarks/compile_time.py examples/llama.py:bench_4x1024 examples/gpt2.py:bench_8x512
     python benchmarks/compile_time.py examples/llama.py:bench_4x1024 --compile-threads 0 8
+    python benchmarks/compile_time.py examples/bert.py:bench_16x256 --no-inductor \
+        --profile-cold 60 --sample        # where the cold compile's main thread spends its time
 
 For each target, in this order, each in its own Python process (so nothing is cached in memory):
   aot_eager          Dynamo + aot_autograd, no compiler: what every backend pays before its own work
@@ -49,14 +51,37 @@ import fusion_compiler
 target, backend = sys.argv[1], sys.argv[2]
 model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
 torch.cuda.synchronize()
-profiler = None
-if len(sys.argv) > 3:
+profiler = sampler = None
+if len(sys.argv) > 4:
+    # the main thread alone, sampled: cProfile (built on sys.monitoring from Python 3.12)
+    # also records the compile threads, whose time overlaps the main thread's
+    import collections, threading
+    main, stop = threading.main_thread().ident, threading.Event()
+    leaf, inclusive, samples = collections.Counter(), collections.Counter(), [0]
+
+    def where(code):
+        return "/".join(code.co_filename.split("/")[-2:]) + ":" + code.co_name
+
+    def sample():
+        while not stop.wait(0.002):
+            frame, seen = sys._current_frames().get(main), set()
+            samples[0] += 1
+            if frame is not None:
+                leaf[where(frame.f_code)] += 1
+            while frame is not None:
+                seen.add(where(frame.f_code))
+                frame = frame.f_back
+            inclusive.update(seen)
+    sampler = threading.Thread(target=sample, daemon=True)
+elif len(sys.argv) > 3:
     import cProfile
     profiler = cProfile.Profile()
 with fusion_compiler.capture_compiles() as reports, torch.no_grad():
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
+    if sampler:
+        sampler.start()
     torch.compile(model, backend=backend)(*inputs)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -64,6 +89,14 @@ if profiler:
     import pstats
     profiler.disable()
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(int(sys.argv[3]))
+if sampler:
+    stop.set()
+    sampler.join()
+    per = seconds / max(samples[0], 1)
+    for title, counts in (("main thread, inclusive", inclusive), ("main thread, self", leaf)):
+        print(f"{title} (s, {samples[0]} samples of the first call's {seconds:.2f} s):")
+        for name, n in counts.most_common(int(sys.argv[3])):
+            print(f"  {n * per:7.3f}  {name}")
 from torch._dynamo.utils import compilation_time_metrics as metrics
 phases = {}
 for r in reports:
@@ -78,11 +111,13 @@ print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in r
 '''
 
 
-def first_call(target: str, backend: str, env: dict, profile: int = 0) -> dict:
-    """The child's result; with ``profile`` it runs under cProfile and its ``profile`` costliest
-    functions (cumulative time) are printed first."""
+def first_call(target: str, backend: str, env: dict, profile: int = 0,
+               sample: bool = False) -> dict:
+    """The child's result; with ``profile`` it runs under cProfile (``sample``: its main thread
+    sampled every 2 ms instead) and its ``profile`` costliest functions are printed first."""
     proc = subprocess.run([sys.executable, "-c", CHILD, target, backend]
-                          + ([str(profile)] if profile else []), env=env,
+                          + ([str(profile)] if profile else [])
+                          + (["sample"] if profile and sample else []), env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{target} with {backend} failed:\n{proc.stderr[-2000:]}")
@@ -106,7 +141,7 @@ def show(r: dict) -> None:
 
 
 def measure(target: str, threads=(None,), inductor=True, profile=0,
-            profile_run="warm", autotune=0) -> list[dict]:
+            profile_run="warm", autotune=0, sample=False) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +166,8 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
         for backend, name, extra in runs:
             for run in ("cold", "warm"):
                 r = first_call(target, backend, dict(env(name), **extra),
-                               profile if backend == "fusion" and run == profile_run else 0)
+                               profile if backend == "fusion" and run == profile_run else 0,
+                               sample)
                 rows.append({"target": target, "run": f"{name} {run}", "seconds": r["seconds"],
                              "backend_seconds": r["seconds"] - base,
                              "in_backend": r["in_backend"],
@@ -161,6 +197,10 @@ def main() -> int:
                              "costliest functions (the timing of that row includes cProfile)")
     parser.add_argument("--profile-cold", type=int, default=0, metavar="N",
                         help="the same for fusion's cold first call (instead of the warm one)")
+    parser.add_argument("--sample", action="store_true",
+                        help="with --profile-cold/--profile-warm: sample the main thread every "
+                             "2 ms instead of cProfile, which on Python 3.12+ also records the "
+                             "compile threads")
     parser.add_argument("--autotune", type=int, default=0, metavar="K",
                         help="also run fusion with FUSION_COMPILER_AUTOTUNE=K (cold: the tuning "
                              "is timed; warm: its stored choices are loaded)")
@@ -169,7 +209,8 @@ def main() -> int:
     rows = [row for t in args.targets
             for row in measure(t, args.compile_threads, not args.no_inductor,
                                args.profile_cold or args.profile_warm,
-                               "cold" if args.profile_cold else "warm", args.autotune)]
+                               "cold" if args.profile_cold else "warm", args.autotune,
+                               args.sample)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)
