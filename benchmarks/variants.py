@@ -95,7 +95,8 @@ EVICT_X = (r"(x1 = tl\.load\(in0 \+ \(cols \+ \(\d+ \* rindex\)\), mask=rmask & 
 
 
 SIGMOID = (r"\(1\.0 / \(1\.0 \+ tl\.exp\(-(\w+)\)\)\)", r"tl.sigmoid(\1)")
-NO_ROUND = (r"= fl\.round_bf16\((mul\d+)\)", r"= \1")
+# silu's rounding: fl.convert_bf16 since the rounding guard was narrowed (1f94d83)
+NO_ROUND = (r"= fl\.(?:round|convert)_bf16\((mul\d+)\)", r"= \1")
 
 
 def reload(text):

@@ -111,6 +111,11 @@ def _summed(ir: KernelIR) -> set:
     return {v for v in range(len(ir.values)) if summed(v)}
 
 
+def _is_product(expr: str) -> bool:
+    """Whether a register expression multiplies (ops.POINTWISE prints ``a * b``)."""
+    return " * " in expr
+
+
 class Lowering:
     def __init__(self, ir: KernelIR, hints: dict, persistent: bool):
         self.ir, self.hints, self.persistent = ir, hints, persistent
@@ -467,7 +472,7 @@ class Lowering:
         kwargs = {k: ops.literal(v, ct) for k, v in op.kwargs if isinstance(v, (int, float))}
         expr = self._by_shared_divisor(op, printed, names, ct) or ops.POINTWISE[t](names, kwargs, ct)
         dtype = torch.bool if is_compare else out.dtype
-        guard = " * " in expr and vid in self.summed
+        guard = _is_product(expr) and vid in self.summed
         return self._assign(ops.cast(expr, ct, dtype, guard=guard) if not is_compare
                             else expr, dtype, row_level, t)
 
@@ -533,7 +538,7 @@ class Lowering:
         if expr.isidentifier():     # a cast that changes nothing: same register
             return Var(expr, dtype, row_level)
         var = Var(self._name(_short(op) if op else "v"), dtype, row_level)
-        if " * " in expr:
+        if _is_product(expr):
             self.products.add(var.name)
         self._emit_to(row_level, ("assign", var, expr))
         return var

@@ -49,7 +49,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Fold ``gm``'s constant values in place; ``ctx.constants`` names each one kept."""
     values = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and _pure(node.target) \
+        if node.op == "call_function" and is_pure(node.target) \
                 and all(a in values for a in node.all_input_nodes):
             value = _evaluate(node, values)
             if value is not None:
@@ -103,7 +103,8 @@ def graph_outputs(gm: torch.fx.GraphModule) -> set:
     return set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
 
 
-def _pure(target) -> bool:
+def is_pure(target) -> bool:
+    """A call of an ATen op that is not mutable, not random and not an uninitialized allocation."""
     if not isinstance(target, torch._ops.OpOverload):
         return False
     schema = target._schema

@@ -22,7 +22,7 @@ import sympy
 import torch
 
 from .classify import OpKind
-from .constant_fold import _pure
+from .constant_fold import is_pure
 
 aten = torch.ops.aten
 log = logging.getLogger("fusion_compiler")
@@ -37,7 +37,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if node.op != "call_function" or node.meta.get("fc_kind") not in _COMPUTED:
             continue
         info = node.meta.get("fc_tensor")
-        if info is None or not _static_empty(info) or not _pure(node.target):
+        if info is None or not _static_empty(info) or not is_pure(node.target):
             continue
         if node.meta["fc_kind"] is OpKind.REDUCTION:
             extent = node.args[0].meta["fc_tensor"].shape[-1]      # last-dim reductions only
@@ -58,7 +58,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         return gm
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_function" and not node.users \
-                and (node in replaced or _pure(node.target)):
+                and (node in replaced or is_pure(node.target)):
             gm.graph.erase_node(node)
     gm.recompile()
     log.info("fusion-compiler: %d values with no elements allocated instead of computed",
