@@ -3,8 +3,18 @@
 # optionally compile time. Everything it prints goes to one log, $OUT/all.log, and each step's
 # JSON beside it: a device call returns at most 8 files (session 13 lost two logs to that).
 #   bash benchmarks/gpu_check.sh
-#   STEPS="suite small patterns models compile" COMPILE_TARGETS="examples/bert.py:bench_16x256" \
-#       bash benchmarks/gpu_check.sh
+#   STEPS="suite small patterns models compile costmodel" \
+#       COMPILE_TARGETS="examples/bert.py:bench_16x256" bash benchmarks/gpu_check.sh
+# Steps:
+#   suite      the GPU test suite
+#   small      patterns at 64, 512 and 1 rows
+#   patterns   patterns at 16384 rows
+#   variants   benchmarks/variants.py with $VARIANTS_ARGS
+#   models     `bench` on $MODELS
+#   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS
+#   profile    where fusion's cold compile of $PROFILE_TARGET spends its main thread's time
+#   costmodel  `calibrate`, then `dump --measure` of each of $MODELS (the measured tables in the
+#              log; the GPU's clock and a host-speed probe in $OUT/probe.log)
 # Each step has its own time limit. Output reaches the log line by line (python -u, grep
 # --line-buffered), so a step cut by its limit still shows what it printed (session 13 lost a
 # compile-time table that sat in a pipe's buffer). The suite runs on 8 workers with a per-test
@@ -22,6 +32,7 @@ LOG="$OUT/all.log"
 STEPS=${STEPS:-"suite small patterns models"}
 MODELS=${MODELS:-"examples/llama.py:bench_1x128 examples/llama.py:bench_4x1024 examples/gpt2.py:bench_8x512 examples/bert.py:bench_16x256"}
 COMPILE_TARGETS=${COMPILE_TARGETS:-"examples/llama.py:bench_1x128"}
+PROFILE_TARGET=${PROFILE_TARGET:-"examples/bert.py:bench_16x256"}
 
 step() {    # step NAME SECONDS COMMAND: the command's output into the log, with its rc and time
     local name=$1 limit=$2; shift 2
@@ -43,15 +54,47 @@ for s in $STEPS; do
         --out $OUT/patterns_small.json 2>&1 | $quiet" ;;
     patterns) step patterns 120 "python3 benchmarks/patterns.py --rows 16384 \
         --out $OUT/patterns.json 2>&1 | $quiet" ;;
+    variants) step variants 150 "python3 benchmarks/variants.py --rounds 3 --out /tmp/variants \
+        ${VARIANTS_ARGS:-} 2>&1 | $quiet" ;;
     models) step models 240 "fusion-compiler bench $MODELS --compare eager,inductor,fusion \
         -o $OUT/models.json 2>&1 | $quiet" ;;
-    compile)
-        export PYTHONPYCACHEPREFIX=/tmp/pyc
-        sp=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
-        step pyc 90 "python3 -m compileall -q -j 16 $sp/torch $sp/triton $sp/transformers \
-            $sp/sympy $sp/networkx . > /dev/null; du -sh /tmp/pyc"
-        step compile $(( 100 * $(echo $COMPILE_TARGETS | wc -w) )) "python3 benchmarks/compile_time.py \
-            $COMPILE_TARGETS -o $OUT/compile.json 2>&1 | $quiet" ;;
+    compile|profile)
+        if [ -z "$PYTHONPYCACHEPREFIX" ]; then
+            export PYTHONPYCACHEPREFIX=/tmp/pyc
+            sp=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+            step pyc 90 "python3 -m compileall -q -j 16 $sp/torch $sp/triton $sp/transformers \
+                $sp/sympy $sp/networkx . > /dev/null; du -sh /tmp/pyc"
+        fi
+        if [ $s = compile ]; then
+            step compile $(( 150 * $(echo $COMPILE_TARGETS | wc -w) )) "python3 \
+                benchmarks/compile_time.py $COMPILE_TARGETS ${COMPILE_ARGS:-} \
+                -o $OUT/compile.json 2>&1 | $quiet"
+        else
+            step profile 120 "python3 benchmarks/compile_time.py $PROFILE_TARGET --no-inductor \
+                --profile-cold 50 --sample 2>&1 | $quiet"
+        fi ;;
+    costmodel)
+        # beside it, once a second: the GPU's SM clock and how long a fixed piece of pure
+        # Python takes on this host (both into $OUT/probe.log), to tell a drift of either from
+        # an error of the cost model
+        nvidia-smi --query-gpu=timestamp,clocks.sm,utilization.gpu --format=csv,noheader \
+            -lms 1000 >> "$OUT/probe.log" 2>&1 &
+        smi=$!
+        python3 -c "
+import time
+while True:
+    t = time.perf_counter(); sum(i * i for i in range(200000))
+    print(time.strftime('%H:%M:%S'), 'python probe ms', round(1e3 * (time.perf_counter() - t), 2), flush=True)
+    time.sleep(1)" >> "$OUT/probe.log" 2>&1 &
+        probe=$!
+        step calibrate 60 "fusion-compiler calibrate 2>&1 | $quiet"
+        for m in $MODELS; do
+            name=$(echo "$m" | sed 's|.*/||; s|\.py:|_|')
+            step "measure $name" 150 "date +%H:%M:%S; fusion-compiler dump $m --device cuda \
+                --measure -o /tmp/measure_$name.txt 2>&1 | $quiet; sed -n '/^measured vs/,\$p' \
+                /tmp/measure_$name.txt; date +%H:%M:%S"
+        done
+        kill $smi $probe ;;
     esac
 done
 grep "^=====" "$LOG"

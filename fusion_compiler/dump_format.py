@@ -198,7 +198,7 @@ def render_table(doc) -> str:
 
 
 MEASURED_HEADERS = ["group", "label", "fused: predicted", "measured", "error",
-                    "unfused: predicted", "measured", ""]
+                    "unfused: predicted", "measured", "at", ""]
 
 
 def measured_lines(summary) -> list:
@@ -208,11 +208,12 @@ def measured_lines(summary) -> list:
     rows = [[f"#{r['group']}", labels.get(r["group"], ""), f"{r['predicted_fused_us']:.1f} us",
              f"{r['measured_fused_us']:.1f} us", f"{r['error']:+.0%}",
              f"{r['predicted_unfused_us']:.1f} us", f"{r['measured_unfused_us']:.1f} us",
+             f"{r['at_s']:.1f} s" if "at_s" in r else "",
              "SLOWER FUSED" if r["group"] in m["slower_fused"] else ""] for r in m["groups"]]
     head = (f"measured vs predicted ({m['groups_measured']} kernels; medians of repeated runs"
             + ("; Triton interpreter timings, not a GPU's" if m.get("interpreted") else "")
             + ")")
-    out = [head] + (text_table(MEASURED_HEADERS, rows, {2, 3, 4, 5, 6}) if rows else [])
+    out = [head] + (text_table(MEASURED_HEADERS, rows, {2, 3, 4, 5, 6, 7}) if rows else [])
     if m["median_abs_error"] is not None:
         out.append(f"median |error| of the fused predictions: {m['median_abs_error']:.0%}; "
                    f"measured slower fused than unfused: {len(m['slower_fused'])}")

@@ -173,8 +173,9 @@ def measure_graph(target: GraphTarget) -> list:
         interp.run(*target.args)
     if any(isinstance(a, torch.Tensor) and a.is_cuda for a in target.args):
         spin_up()
-    rows = []
+    rows, start = [], time.perf_counter()
     for g in target.groups:
+        at = time.perf_counter() - start
         ins = [interp.values[a] for a in g.inputs]
         device = next((t.device.type for t in ins if isinstance(t, torch.Tensor)
                        and t.device.type != "cpu"), "cpu")
@@ -200,7 +201,8 @@ def measure_graph(target: GraphTarget) -> list:
                      "measured_fused_us": fused * 1e6,
                      "predicted_unfused_us": predicted_unfused * 1e6,
                      "measured_unfused_us": unfused_s * 1e6,
-                     "error": (g.cost.time - fused) / fused})
+                     "error": (g.cost.time - fused) / fused,
+                     "at_s": at})      # when it was measured: a drift of the host shows here
     return rows
 
 

@@ -436,7 +436,8 @@ def test_bench_max_error_sees_nan_and_inf_mismatches():
 MEASURED = {"groups": list, "groups_measured": int, "median_abs_error": NUM,
             "slower_fused": list, "interpreted": bool}
 MEASURED_ROW = {"group": int, "predicted_fused_us": NUM, "measured_fused_us": NUM,
-                "predicted_unfused_us": NUM, "measured_unfused_us": NUM, "error": NUM}
+                "predicted_unfused_us": NUM, "measured_unfused_us": NUM, "error": NUM,
+                "at_s": NUM}
 
 
 def test_measure_times_every_fused_kernel_beside_its_prediction(capsys, tiny, monkeypatch):
@@ -457,6 +458,8 @@ def test_measure_times_every_fused_kernel_beside_its_prediction(capsys, tiny, mo
         assert row["error"] == pytest.approx(
             (row["predicted_fused_us"] - row["measured_fused_us"]) / row["measured_fused_us"])
     assert {r["group"] for r in m["groups"]} == {k["group"] for k in graph["kernels"]}
+    at = [r["at_s"] for r in m["groups"]]
+    assert at[0] < 1.0 and at == sorted(at) and len(set(at)) == len(at)
     rc, out, err = dump(capsys, tiny, "--measure", *(["--device", "cuda"] if gpu else []))
     assert rc == 0 and "measured vs predicted" in out
     assert ("interpreter timings" in out) is not gpu
