@@ -2,20 +2,26 @@
 
     host(kernel)   = launch_overhead + launch_per_output * (outputs - 1)
                      + launch_per_input * (inputs - 1)
-    device(kernel) = kernel_latency + max(bytes_moved / hbm_bandwidth, flops / peak_flops)
+    device(kernel) = kernel_latency + hypot(bytes_moved / hbm_bandwidth, flops / peak_flops)
     time(kernel)   = max(host, device)
 
 A model launches its kernels back to back: while the GPU runs one kernel the host prepares the
 next, so a kernel costs whichever side is slower, not their sum (the sum over-predicted the
 measured time of Llama 4 x 1024's fused kernels by a median 31% on the H200; the max: 11%).
+On the GPU, memory and arithmetic overlap less well than a max says when both are large: the
+hypotenuse of the two (a smooth max) stands for it. BERT's bias + erf GELU over 4096 x 3072
+bf16 (11.8 us of bytes, 10.5 us of FLOPs at the H200's 47.8 TFLOP/s estimate) measured
+18.1-19.9 us (`dump --measure`, session 14), which the max put at 13.4 us and the hypotenuse
+at 17.3; the same kernel with its erf taken out ran 5.4 us faster (benchmarks/variants.py).
+A kernel whose FLOPs are small beside its bytes (a norm: one tenth) is costed as before.
 bytes_moved counts each distinct tensor a kernel reads once, at its own size (a broadcast
 operand is read at its size, not the result's), and each output once; an input read only by
 gathers (an embedding table), at the bytes they gather (at most its size). A looped row kernel that
 makes P passes over its rows reads its per-element inputs P times from HBM, unless those inputs
 together fit in half the L2 cache: then the passes after the first hit L2 and cost no HBM bytes
 (add+LayerNorm over 64 rows of 65536: 16 MB re-read, the H200's L2 is 50 MB). flops counts one
-per output element of each op computed in the kernel, TRANSCENDENTAL_FLOPS for exp, tanh, erf
-and the like (views and casts are free). `fusion-compiler calibrate` measures the host terms through the
+per output element of each op computed in the kernel, OP_FLOPS for exp, tanh, erf and the like
+(views and casts are free). `fusion-compiler calibrate` measures the host terms through the
 backend's own launchers and the GPU's latency per kernel. A fused group saves the
 intermediates' write + read and the launches of the kernels it replaces (XLA's GPU performance
 model).
@@ -23,6 +29,7 @@ model).
 from __future__ import annotations
 
 import functools
+import math
 
 from dataclasses import dataclass
 
@@ -124,9 +131,14 @@ def tensor_bytes(node, size_hints: dict) -> int:
     return hint(info.numel, size_hints) * info.itemsize
 
 
-TRANSCENDENTAL_FLOPS = 8     # an exp/tanh/erf/... costs about this many adds (MUFU + fixups)
-_TRANSCENDENTAL = {"exp", "exp2", "expm1", "log", "log2", "log1p", "tanh", "sigmoid", "erf",
-                   "rsqrt", "sqrt", "sin", "cos", "pow", "div", "reciprocal"}
+# FLOPs an element of each op costs beyond one: the PTX instructions per element of the
+# expression the code generator writes for it, for sm_90 (benchmarks/op_instructions.py;
+# libdevice's erf, tanh and log are polynomials of some 30 instructions, exp is one MUFU ex2
+# and a multiply). Every other op that computes costs 1; views and casts cost nothing.
+OP_FLOPS = {"exp": 2, "exp2": 1, "expm1": 29, "log": 32, "log2": 35, "log1p": 35,
+            "tanh": 28, "sigmoid": 5, "erf": 35, "rsqrt": 1, "sqrt": 1, "div": 1,
+            "reciprocal": 1, "sin": 96, "cos": 96}
+POW_FLOPS = 125      # pow with a tensor or fractional exponent (libdevice's powf)
 _FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice",
          "select", "unsqueeze", "squeeze", "as_strided", "clone", "_to_copy", "alias",
          "convert_element_type", "cat", "split", "chunk"}
@@ -143,7 +155,12 @@ def op_flops(node, size_hints: dict) -> int:
     name = _op_name(node.target)
     if name in _FREE or "fc_tensor" not in node.meta:
         return 0
-    weight = TRANSCENDENTAL_FLOPS if name in _TRANSCENDENTAL else 1
+    if name == "pow":       # small integer exponents are products (codegen/ops.py's _pow)
+        e = node.args[1] if len(node.args) > 1 else None
+        weight = (2 if isinstance(e, (int, float)) and float(e).is_integer() and abs(e) <= 4
+                  else POW_FLOPS)
+    else:
+        weight = OP_FLOPS.get(name, 1)
     return weight * hint(node.meta["fc_tensor"].numel, size_hints)
 
 
@@ -167,7 +184,7 @@ def kernel_cost(inputs, outputs, passes: int, row_inputs, size_hints, profile,
     flops = sum(op_flops(n, size_hints) for n in members)
     host = (profile.launch_overhead + profile.launch_per_output * max(len(outputs) - 1, 0)
             + profile.launch_per_input * max(len(inputs) - 1, 0))
-    device = profile.kernel_latency + max((read + written) / profile.hbm_bandwidth,
-                                          flops / profile.peak_flops)
+    device = profile.kernel_latency + math.hypot((read + written) / profile.hbm_bandwidth,
+                                                 flops / profile.peak_flops)
     t = max(host, device)
     return KernelCost(read, written, 1, t)

@@ -57,9 +57,12 @@ def test_bytes_and_launches_of_a_pointwise_chain():
 
 
 def test_flops_and_further_outputs_by_hand():
-    """time = max(launch + per_output * (outputs - 1), latency + max(bytes / bw, flops / peak)):
-    exp (8 FLOPs an element) + mul (1), two outputs; a peak low enough that the FLOPs bind, then
-    the real one (the host binds)."""
+    """time = max(launch + per_output * (outputs - 1),
+                  latency + hypot(bytes / bw, flops / peak)):
+    exp (2 FLOPs an element) + mul (1), two outputs; a peak low enough that the FLOPs bind, then
+    the real one (the host binds), then a bandwidth low enough that the bytes bind."""
+    import math
+
     from fusion_compiler.passes.cost_model import kernel_cost
     x = torch.randn(1000)
     def f(t):
@@ -68,16 +71,39 @@ def test_flops_and_further_outputs_by_hand():
     ctx = analyze(f, x)
     (g,) = ctx.groups
     assert ops_of(g) == ["exp", "mul"] and len(g.outputs) == 2
-    slow = dataclasses.replace(H200, peak_flops=1e9, launch_per_output=1e-6)
+    slow = dataclasses.replace(H200, peak_flops=2e8, launch_per_output=1e-6)
     cost = kernel_cost(g.inputs, g.outputs, 1, set(), ctx.size_hints, slow, g.members)
     assert cost.bytes == 12000
-    assert abs(cost.time - (H200.kernel_latency + 9000 / 1e9)) < 1e-15         # 11 us > 3.5
+    expected = H200.kernel_latency + math.hypot(12000 / H200.hbm_bandwidth, 3000 / 2e8)
+    assert abs(cost.time - expected) < 1e-15 and cost.time > 15e-6               # FLOPs bind
     fast = dataclasses.replace(H200, launch_per_output=1e-6)
     cost = kernel_cost(g.inputs, g.outputs, 1, set(), ctx.size_hints, fast, g.members)
-    assert abs(cost.time - (H200.launch_overhead + 1e-6)) < 1e-15               # 3.5 us > 2
+    assert abs(cost.time - (H200.launch_overhead + 1e-6)) < 1e-15               # host binds
     big = dataclasses.replace(H200, launch_per_output=1e-6, hbm_bandwidth=1e9)  # bytes bind
     cost = kernel_cost(g.inputs, g.outputs, 1, set(), ctx.size_hints, big, g.members)
-    assert abs(cost.time - (H200.kernel_latency + 12000 / 1e9)) < 1e-15
+    expected = H200.kernel_latency + math.hypot(12000 / 1e9, 3000 / H200.peak_flops)
+    assert abs(cost.time - expected) < 1e-15
+    assert abs(cost.time - (H200.kernel_latency + 12000 / 1e9)) < 1e-9
+
+
+def test_op_flops_weigh_each_op_by_its_instructions():
+    """erf and tanh cost some 30 FLOPs an element (libdevice's polynomials), exp 2, an add 1,
+    a view or cast 0; pow with a small integer exponent is products, with a tensor one
+    libdevice's powf."""
+    from fusion_compiler.passes.cost_model import OP_FLOPS, POW_FLOPS, op_flops
+    x = torch.randn(6, 10)
+
+    def f(t):
+        return (torch.erf(t), torch.tanh(t), torch.exp(t), t + 1, t.view(60),
+                torch.pow(t, 3), torch.pow(t, t))
+    ctx = analyze(f, x)
+    flops = {n.target: op_flops(n, ctx.size_hints) for g in ctx.groups for n in g.members}
+    aten = torch.ops.aten
+    assert flops[aten.erf.default] == 60 * OP_FLOPS["erf"] >= 60 * 30
+    assert flops[aten.tanh.default] == 60 * OP_FLOPS["tanh"] >= 60 * 20
+    assert flops[aten.exp.default] == 120 and flops[aten.add.Tensor] == 60
+    assert flops[aten.pow.Tensor_Scalar] == 120 and flops[aten.pow.Tensor_Tensor] == 60 * POW_FLOPS
+    assert flops.get(aten.view.default, 0) == 0
 
 
 def test_each_further_input_costs_host_time():
