@@ -11,8 +11,8 @@ tests/test_precompile.py does). Then, in a process of its own (Triton's interpre
 compiler cannot share one) and with an empty Triton cache, every distinct launch is compiled
 for sm_90 (front end, MLIR, LLVM, ptxas) on ``--threads`` threads, and the time of each is
 printed, with Triton's stage times (front end: the kernel's AST to TTIR, in Python, holding
-the GIL; then TTIR, TTGIR, LLVM IR, PTX, cubin) and the libdevice functions each kernel links. Loading the binaries and building
-Triton's C launchers needs a GPU and is not included.
+the GIL; then TTIR, TTGIR, LLVM IR, PTX, cubin) and the libdevice functions each kernel links.
+Loading the binaries and building Triton's C launchers needs a GPU and is not included.
 """
 import argparse
 import json

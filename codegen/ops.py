@@ -71,6 +71,11 @@ def _div(a, b, ct):
     return f"({a} / {b})"
 
 
+# scalar exponents _pow writes as a product, a square root, a division or a reciprocal square
+# root (an instruction or two an element); any other exponent is libdevice's powf
+CHEAP_EXPONENTS = (1, 2, 3, 0.5, -1, -0.5)
+
+
 def _pow(a, b, ct):
     """pow with a scalar exponent: exact products for small integers, as ATen does."""
     try:

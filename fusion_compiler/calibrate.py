@@ -63,11 +63,11 @@ def launch_overhead(device: str = "cuda", rounds: int = 5) -> tuple[float, float
     kinds = [_tiny_launcher(lambda x: x + 1, device),
              _tiny_launcher(lambda x: (x + 1, x * 3, x - 2), device),
              _tiny_launcher(lambda *xs: sum(xs[1:], xs[0]), device, inputs=9)]
+    device_type = torch.device(device).type
     best = [float("inf")] * len(kinds)
     for _ in range(rounds):
         for k, (launch, xs) in enumerate(kinds):
-            t = steady_seconds(lambda i: launch(*xs), copies_for(xs, "cuda"),
-                               torch.device(device).type)
+            t = steady_seconds(lambda i: launch(*xs), copies_for(xs, device_type), device_type)
             best[k] = min(best[k], t)
     one, three, nine = best
     return one, max(three - one, 0.0) / 2, max(nine - one, 0.0) / 8

@@ -33,6 +33,7 @@ import math
 
 from dataclasses import dataclass
 
+from ..codegen.ops import CHEAP_EXPONENTS
 from .shapes import hint
 
 
@@ -131,14 +132,14 @@ def tensor_bytes(node, size_hints: dict) -> int:
     return hint(info.numel, size_hints) * info.itemsize
 
 
-# FLOPs an element of each op costs beyond one: the PTX instructions per element of the
-# expression the code generator writes for it, for sm_90 (benchmarks/op_instructions.py;
-# libdevice's erf, tanh and log are polynomials of some 30 instructions, exp is one MUFU ex2
-# and a multiply). Every other op that computes costs 1; views and casts cost nothing.
+# FLOPs an element of each op costs: the PTX instructions per element of the expression the
+# code generator writes for it, for sm_90 (benchmarks/op_instructions.py; libdevice's erf,
+# tanh and log are polynomials of some 30 instructions, exp is one MUFU ex2 and a multiply).
+# Every other op that computes costs 1 (div, sqrt and rsqrt are one PTX instruction each); views
+# and casts cost 0.
 OP_FLOPS = {"exp": 2, "exp2": 1, "expm1": 29, "log": 32, "log2": 35, "log1p": 35,
-            "tanh": 28, "sigmoid": 5, "erf": 35, "rsqrt": 1, "sqrt": 1, "div": 1,
-            "reciprocal": 1, "sin": 96, "cos": 96}
-POW_FLOPS = 125      # pow with a tensor or fractional exponent (libdevice's powf)
+            "tanh": 28, "sigmoid": 5, "erf": 35, "sin": 96, "cos": 96}
+POW_FLOPS = 125      # pow with a tensor exponent or one not in CHEAP_EXPONENTS (libdevice's powf)
 _FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice",
          "select", "unsqueeze", "squeeze", "as_strided", "clone", "_to_copy", "alias",
          "convert_element_type", "cat", "split", "chunk"}
@@ -155,10 +156,9 @@ def op_flops(node, size_hints: dict) -> int:
     name = _op_name(node.target)
     if name in _FREE or "fc_tensor" not in node.meta:
         return 0
-    if name == "pow":       # small integer exponents are products (codegen/ops.py's _pow)
+    if name == "pow":       # codegen/ops.py's _pow: a few exponents are a product or the like
         e = node.args[1] if len(node.args) > 1 else None
-        weight = (2 if isinstance(e, (int, float)) and float(e).is_integer() and abs(e) <= 4
-                  else POW_FLOPS)
+        weight = 2 if isinstance(e, (int, float)) and e in CHEAP_EXPONENTS else POW_FLOPS
     else:
         weight = OP_FLOPS.get(name, 1)
     return weight * hint(node.meta["fc_tensor"].numel, size_hints)
