@@ -30,9 +30,11 @@ starts). The columns:
                   first launches, outside this column)
   of which        (fusion) the passes' phases, from the reports: analyze (the fusion
                   decisions), sources (kernel modules written or loaded), triton (Triton's
-                  compiles or cache loads, on the compile threads: codegen/precompile.py),
-                  autotune (timing launch settings, or loading the stored choices; 0 when
-                  autotuning is off, as by default: ``--autotune K`` adds runs with it on)
+                  compiles or cache loads, on the compile threads and in the compile workers:
+                  codegen/precompile.py, compile_pool.py), autotune (timing launch settings, or
+                  loading the stored choices; 0 when autotuning is off, as by default:
+                  ``--autotune K`` adds runs with it on); "(workers: N of M)": N of the M
+                  Triton kernels compiled at compile time were compiled by worker processes
 Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -105,6 +107,8 @@ for r in reports:
 tuned = [k["tuned"] for r in reports for k in r.kernels if "tuned" in k]
 print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in reports),
                   "phases": phases, "tuned": len(tuned),
+                  "by_workers": [sum(getattr(r, "kernels_by_workers", (0, 0))[i] for r in reports)
+                                 for i in (0, 1)],
                   "retuned": sum(t["settings"] != t["rule"] for t in tuned),
                   "in_backend": sum(metrics.get("OutputGraph.call_user_compiler", [])),
                   "dynamo": sum(metrics.get("_compile.compile_inner", []))}))
@@ -178,6 +182,8 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
                                                   ("analyze", "sources", "triton", "autotune"))
                              + (f" (tuned {r['tuned']}, {r['retuned']} off the rule)"
                                 if r["tuned"] else "")
+                             + (" (workers: {} of {})".format(*r["by_workers"])
+                                if r.get("by_workers", [0])[0] else "")
                              if backend == "fusion" else ""})
                 show(rows[-1])
     return rows

@@ -13,11 +13,18 @@ for sm_90 (front end, MLIR, LLVM, ptxas) on ``--threads`` threads, and the time 
 printed, with Triton's stage times (front end: the kernel's AST to TTIR, in Python, holding
 the GIL; then TTIR, TTGIR, LLVM IR, PTX, cubin) and the libdevice functions each kernel links.
 Loading the binaries and building Triton's C launchers needs a GPU and is not included.
+``--save-specs DIR`` keeps the recorded launches and their modules, and ``--specs DIR``
+compiles them elsewhere, e.g. on the GPU's host, whose Python is slower than this machine's:
+
+    python benchmarks/kernel_compile_time.py examples/llama.py:bench_1x128 \
+        --factory-args --save-specs /tmp/llama_specs            # here, in the interpreter
+    python benchmarks/kernel_compile_time.py - --specs /tmp/llama_specs --threads 1 2 4 8
 """
 import argparse
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +48,10 @@ def one(spec):
 # one kernel's launches on one thread, one after another, as the backend's compile threads take
 # them (codegen/precompile.compile_launches): launches of one kernel that compile to the same
 # binary are then a cache hit, not two compiles racing each other
+# Triton's key is computed once per process, and the backend keeps it on disk
+# (codegen/triton_key.py): computed here first, so that no thread times its hashing
+from triton.runtime.cache import triton_key
+triton_key()
 by_kernel = {}
 for spec in specs:
     by_kernel.setdefault((spec["path"], spec["kernel"]), []).append(spec)
@@ -80,7 +91,19 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="the factory's dtype argument (the bench factories' is bfloat16)")
+    ap.add_argument("--save-specs", metavar="DIR",
+                    help="also write the recorded launches and their kernel modules here")
+    ap.add_argument("--specs", metavar="DIR",
+                    help="compile the launches --save-specs wrote instead of recording (on "
+                         "another machine, such as the GPU's host; target is then ignored)")
     a = ap.parse_args()
+    if a.specs:
+        with open(os.path.join(a.specs, "specs.pkl"), "rb") as f:
+            specs = pickle.load(f)
+        for spec in specs:
+            spec["path"] = os.path.join(os.path.abspath(a.specs), spec["path"])
+        compile_all(specs, a.threads)
+        return
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         # re-run this script with the interpreter on, before triton is imported
         env = dict(os.environ, TRITON_INTERPRET="1")
@@ -88,8 +111,21 @@ def main():
     import torch
     specs = record(a.target, {k: int(v) for k, v in (kv.split("=") for kv in a.factory_args)},
                    getattr(torch, a.dtype) if a.dtype else None)
+    if a.save_specs:
+        os.makedirs(a.save_specs, exist_ok=True)
+        saved = []
+        for spec in specs:
+            shutil.copy(spec["path"], a.save_specs)
+            saved.append(dict(spec, path=os.path.basename(spec["path"])))
+        with open(os.path.join(a.save_specs, "specs.pkl"), "wb") as f:
+            pickle.dump(saved, f)
+    compile_all(specs, a.threads)
+
+
+def compile_all(specs: list, thread_counts: list) -> None:
+    """Compile ``specs`` on each number of threads, each in a fresh process and Triton cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for threads in a.threads:
+    for threads in thread_counts:
         with tempfile.TemporaryDirectory() as cache:
             env["TRITON_CACHE_DIR"] = cache
             proc = subprocess.run([sys.executable, "-c", COMPILE], input=pickle.dumps((specs, threads)),

@@ -6,8 +6,10 @@ Compiles the model once with the fusion backend on empty kernel and Triton cache
 process. Printed: the backend's phase times (its report); for each Triton compile, the thread
 it ran on and Triton's own stage times (``knobs.compilation.listener``: the Python front end
 that turns the kernel's AST into TTIR, then TTIR, TTGIR, LLVM IR, PTX, cubin); each
-``JITFunction.warmup`` span on the compile threads (codegen/precompile.py); and the Python
-modules compiled from source (no usable ``.pyc``) during the call, grouped by folder.
+``JITFunction.warmup`` span on the compile threads (codegen/precompile.py); each C module
+Triton loaded (``compile_module_from_src``: its driver utilities, a kernel's launcher) and
+whether gcc built it, with its span; and the Python modules compiled from source (no usable
+``.pyc``) during the call, grouped by folder. Spans are seconds from the first call's start.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def _timed_source_to_code(self, data, path, *args, **kwargs):
 importlib.machinery.SourceFileLoader.source_to_code = _timed_source_to_code
 
 import torch  # noqa: E402
+import triton.backends.nvidia.driver as triton_driver  # noqa: E402
+import triton.runtime.build as triton_build  # noqa: E402
 import triton.runtime.jit as triton_jit  # noqa: E402
 from triton import knobs  # noqa: E402
 
@@ -61,15 +65,31 @@ def main() -> int:
         spans.append((threading.current_thread().name, self.__name__, t, time.perf_counter()))
         return result
     triton_jit.JITFunction.warmup = timed_warmup
+    modules = []        # (thread, what, start, end): C modules loaded, and gcc's builds of them
+
+    def timed(owner, name, what, position):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                label = kwargs.get("name", args[position] if len(args) > position else "?")
+                modules.append((threading.current_thread().name, f"{what} {label}", t,
+                                time.perf_counter()))
+        setattr(owner, name, wrapper)
+    timed(triton_driver, "compile_module_from_src", "loaded", 1)    # (src, name, ...)
+    timed(triton_build, "_build", "gcc", 0)                         # (name, src, ...)
 
     model, inputs = load_factory(sys.argv[1])[0](device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     mark = len(_from_source)
     with fusion_compiler.capture_compiles() as reports, torch.no_grad():
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         torch.compile(model, backend="fusion")(*inputs)
         torch.cuda.synchronize()
-        print(f"first call {time.perf_counter() - t0:.2f} s")
+        print(f"first call {time.perf_counter() - start:.2f} s")
     for r in reports:
         print("phases (s):", {k: round(v, 3) for k, v in r.phase_seconds.items()})
     print(f"{len(compiles)} Triton compiles ({sum(c[3] for c in compiles)} cache hits), s:")
@@ -81,12 +101,10 @@ def main() -> int:
             totals[n] = totals.get(n, 0.0) + v
         print(f"  {thread:18s} {name:22s} " + "  ".join(f"{n} {v:.3f}" for n, v in stages))
     print("  all kernels         " + "  ".join(f"{n} {v:.3f}" for n, v in totals.items()))
-    if spans:
-        start = min(s[2] for s in spans)
-        print("warmup spans on the compile threads (s from the first):")
-        for thread, name, a, b in sorted(spans, key=lambda s: s[2]):
-            if b - a > 1e-3:
-                print(f"  {thread:18s} {name:22s} {a - start:.3f} -> {b - start:.3f}")
+    print("warmup spans and C modules (s from the first call's start):")
+    for thread, name, a, b in sorted(spans + modules, key=lambda s: s[2]):
+        if b - a > 1e-3:
+            print(f"  {thread:18s} {name:30s} {a - start:.3f} -> {b - start:.3f}")
     during = _from_source[mark:]
     print(f"modules compiled from source during the call: {len(during)}, "
           f"{sum(s for _, s in during):.3f} s")

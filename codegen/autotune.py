@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..passes.shapes import hint
 from . import launch as L
-from . import precompile
+from . import compile_pool, precompile
 
 log = logging.getLogger("fusion_compiler")
 
@@ -223,7 +223,8 @@ def _measure(ctx, g, launch, module, kind, sizes, rule, table, time_fn) -> dict 
         for settings in options:
             _override(module, kind, {**table, sizes: settings})
             calls += precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
-        failed = precompile.compile_launches(calls, device, ctx.config.compile_threads)
+        failed = precompile.compile_launches(calls, device, ctx.config.compile_threads,
+                                             compile_pool.current())
         if failed:
             options = [options[0]]
     times = {}

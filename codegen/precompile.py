@@ -17,8 +17,12 @@ value) costs what it did before: the first call compiles the variant it needs.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import functools
+import logging
 import re
+import threading
 import types
 
 import torch
@@ -26,6 +30,8 @@ from triton.runtime.jit import MockTensor
 
 from ..passes.shapes import hint
 from .launch import fits_static
+
+log = logging.getLogger("fusion_compiler")
 
 
 class StandIn(MockTensor):
@@ -84,27 +90,42 @@ def stand_ins(group, hints: dict) -> tuple:
     return inputs, [hint(s, hints) for s in group.graph_symbols]
 
 
-def compile_for_target(kernel, args, kwargs, target):
-    """Compile one recorded launch with Triton's own compiler (front end, MLIR, LLVM, ptxas)
-    for ``target`` (a ``GPUTarget``), on a machine without that GPU: the steps of
-    ``JITFunction.run`` up to its compile (argument binding and specialization, options), with
-    the backend made for ``target`` instead of the current device's. The CPU tests compile the
-    generated kernels this way for sm_90, where Triton's interpreter would hide a kernel the
-    real compiler rejects. Returns Triton's ``CompiledKernel``."""
+def bind_for_target(kernel, args, kwargs, target) -> tuple:
+    """What Triton compiles one launch of ``kernel`` (a JITFunction) with, for ``target`` (a
+    ``GPUTarget``): the steps of ``JITFunction.run`` up to its compile (argument binding and
+    specialization, options), as ``(signature, constexprs, attrs, options)``, plain data."""
     from triton import knobs
-    from triton.compiler.compiler import ASTSource, make_backend
-    from triton.compiler.compiler import compile as triton_compile
     from triton.runtime.jit import create_function_from_signature
 
-    backend = make_backend(target)
+    backend = _backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)
-    source = ASTSource(kernel, signature, constexprs, attrs)
-    return triton_compile(source, target=target, options=options.__dict__)
+    return signature, constexprs, attrs, options.__dict__
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(target):
+    from triton.compiler.compiler import make_backend
+
+    return make_backend(target)
+
+
+def compile_for_target(kernel, args, kwargs, target):
+    """Compile one recorded launch with Triton's own compiler (front end, MLIR, LLVM, ptxas)
+    for ``target`` (a ``GPUTarget``), on a machine without that GPU, as ``JITFunction.run``
+    would on one (``bind_for_target``). The CPU tests compile the generated kernels this way
+    for sm_90, where Triton's interpreter would hide a kernel the real compiler rejects.
+    Returns Triton's ``CompiledKernel``."""
+    from triton.compiler.compiler import ASTSource
+    from triton.compiler.compiler import compile as triton_compile
+
+    signature, constexprs, attrs, options = bind_for_target(kernel, args, kwargs, target)
+    return triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options)
 
 
 def launch_specs(ctx) -> list:
@@ -152,12 +173,45 @@ def compile_specs(specs: list, target, asm: tuple = ()) -> list:
     return done
 
 
-def compile_launches(calls: list, device: torch.device, threads: int) -> dict:
-    """Compile the recorded launches, ``threads`` at a time; return {kernel: exception} for the
-    kernels Triton could not compile."""
+_DRIVER: threading.Thread | None = None
+
+
+def prepare_driver() -> None:
+    """Create Triton's CUDA driver now, on a thread of its own, while aot_autograd traces.
+    Creating it builds Triton's driver utilities (a C module) with gcc on a cold Triton cache:
+    0.3-0.75 s on the H200 device's host. Left to the compile threads, each of them created a
+    driver of its own at once, six gcc runs side by side, and that was most of a cold Triton
+    phase (Llama 1 x 128: six gcc runs over 0.6-0.78 s of the phase's 1.05 s, session 15,
+    ``benchmarks/triton_phase.py``). gcc runs outside the GIL, so the thread costs the tracing
+    little. ``compile_launches`` waits for it."""
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = threading.Thread(target=_create_driver, name="fc-triton-driver", daemon=True)
+        _DRIVER.start()
+
+
+def _create_driver() -> None:
+    try:
+        from triton.runtime import driver
+
+        driver.active.utils         # noqa: B018  (created on first use)
+    except Exception as exc:        # the compile threads will meet it again, and report it
+        log.debug("fusion-compiler: Triton's driver not prepared (%s)", exc)
+
+
+def compile_launches(calls: list, device: torch.device, threads: int, pool=None,
+                     counts: dict | None = None) -> dict:
+    """Compile the recorded launches, ``threads`` at a time, with the help of ``pool``'s
+    workers (codegen/compile_pool.py) where it has any; return {kernel: exception} for the
+    kernels Triton could not compile. ``counts`` gets how many kernels each way compiled."""
     by_kernel: dict = {}
     for call in calls:
         by_kernel.setdefault(call[0], []).append(call)
+    failed: dict = {}
+    counts = {} if counts is None else counts
+    if _DRIVER is not None:
+        _DRIVER.join()
+    counts.update(kernels=len(by_kernel), by_workers=0)
 
     def work(kernel_calls):
         # a thread starts on device 0: Triton compiles for, and caches under, the current one
@@ -173,11 +227,71 @@ def compile_launches(calls: list, device: torch.device, threads: int) -> dict:
                 if load is not None:
                     load()
 
-    failed = {}
-    workers = max(1, min(threads, len(by_kernel)))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fc-compile") as pool:
-        futures = {pool.submit(work, c): k for k, c in by_kernel.items()}
-        for future in concurrent.futures.as_completed(futures):
-            if future.exception() is not None:
-                failed[futures[future]] = future.exception()
+    def run(kernel, kernel_calls):
+        try:
+            work(kernel_calls)
+        except Exception as exc:
+            failed[kernel] = exc
+
+    if pool is None or not any(w.alive for w in pool.started()):
+        workers = max(1, min(threads, len(by_kernel)))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fc-compile") as ex:
+            for item in by_kernel.items():
+                ex.submit(run, *item)
+        return failed
+    from triton.backends.compiler import GPUTarget
+
+    major, minor = torch.cuda.get_device_capability(device)
+    with pool.lock:
+        with_workers(by_kernel, run, GPUTarget("cuda", 10 * major + minor, 32), threads, pool,
+                     counts)
     return failed
+
+
+def with_workers(by_kernel: dict, run, target, threads: int, pool, counts: dict) -> None:
+    """Compile each kernel (``by_kernel``: kernel -> its recorded launches) in a ready worker of
+    ``pool`` for ``target``, then ``run(kernel, launches)`` here: a cache hit. While no worker
+    is ready, up to ``threads`` threads ``run`` kernels here, which compiles them."""
+    workers = pool.started()
+    jobs = collections.deque(by_kernel.items())
+    lock = threading.Lock()
+
+    def take():
+        with lock:
+            return jobs.popleft() if jobs else None
+
+    def via(worker):
+        while not worker.poll_ready(0.005):
+            if not worker.alive or not jobs:
+                return
+        while worker.alive and (job := take()) is not None:
+            kernel, kernel_calls = job
+            path = kernel.fn.__code__.co_filename
+            try:
+                requests = [(path, kernel.fn.__name__, *bind_for_target(kernel, args, kwargs, target),
+                             (target.backend, target.arch, target.warp_size))
+                            for _, _, args, kwargs in kernel_calls]
+            except Exception:           # compiled here instead, which reports the error
+                requests = None
+            if requests is not None:
+                results = worker.compile(requests)
+                if results is not None and not any(results):
+                    with lock:
+                        counts["by_workers"] += 1
+            run(kernel, kernel_calls)   # a cache hit where the worker compiled it
+
+    def here():
+        while not any(w.ready for w in workers) and (job := take()) is not None:
+            run(*job)
+
+    for w in workers:
+        w.poll_ready(0.0)
+    alive = [w for w in workers if w.alive]
+    with concurrent.futures.ThreadPoolExecutor(len(alive) + threads,
+                                               thread_name_prefix="fc-compile") as ex:
+        for w in alive:
+            ex.submit(via, w)
+        for _ in range(max(1, min(threads, len(by_kernel)))):
+            ex.submit(here)
+    while (job := take()) is not None:      # left by workers that died after the others stopped
+        run(*job)

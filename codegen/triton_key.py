@@ -128,19 +128,22 @@ def stored(compute, package_dir: Path, folder: Path, version: str, helper=None):
             except OSError as exc:                # the store is an optimisation
                 log.debug("fusion-compiler: Triton's key not stored (%s)", exc)
             return value
-    key.fc_stored, key.fc_compute = True, compute
+    key.fc_stored, key.fc_compute, key.fc_known = True, compute, known
     return key
 
 
-def install(cache_dir: Path, helper: bool = False) -> None:
+def install(cache_dir: Path, helper: bool = False):
     """Have Triton take its key from here (once per process; a Triton without the function this
-    replaces is left as it is). ``helper``: start the helper process if nothing is stored."""
+    replaces is left as it is). ``helper``: start the helper process if nothing is stored.
+    Returns the key if an earlier process stored it, else None."""
     import triton
     from triton.runtime import cache as triton_cache
 
     compute = getattr(triton_cache, "triton_key", None)
-    if compute is None or getattr(compute, "fc_stored", False):
-        return
-    package_dir = Path(os.path.realpath(triton.__file__)).parent
-    triton_cache.triton_key = stored(compute, package_dir, Path(cache_dir) / "triton_key",
-                                     triton.__version__, helper_command() if helper else None)
+    if compute is None:
+        return None
+    if not getattr(compute, "fc_stored", False):
+        package_dir = Path(os.path.realpath(triton.__file__)).parent
+        triton_cache.triton_key = stored(compute, package_dir, Path(cache_dir) / "triton_key",
+                                         triton.__version__, helper_command() if helper else None)
+    return triton_cache.triton_key.fc_known

@@ -49,6 +49,8 @@ class CompileContext:
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
     empty_values: list = field(default_factory=list)    # node names, empty_values
     seconds: dict = field(default_factory=dict)     # phase -> seconds (pipeline.compile_graph)
+    # Triton kernels compiled at compile time: by worker processes (codegen/compile_pool.py), all
+    compiled: list = field(default_factory=lambda: [0, 0])
 
 
 @contextlib.contextmanager
@@ -143,6 +145,7 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
         return gm
     report.ran_kernels = runs_kernels
     report.phase_seconds = ctx.seconds
+    report.kernels_by_workers = tuple(ctx.compiled)
     report.kernels = ctx.kernels
     report.aten_ops = aten_compute_ops(new_gm)
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)
@@ -185,11 +188,19 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         raise ConfigError(f"the fusion backend takes mode= and options=, not {', '.join(kwargs)}")
     if config.disable:
         return gm.forward
-    if not interpreting() and any(isinstance(t, torch.Tensor) and t.is_cuda
-                                  for t in example_inputs):
+    cuda = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda),
+                None)
+    if cuda is not None and not interpreting():
         # Triton's key for its kernel cache, hashed by a helper process while we trace
-        from .codegen import triton_key
-        triton_key.install(config.cache_dir, helper=True)
+        from .codegen import precompile, triton_key
+        known = triton_key.install(config.cache_dir, helper=True)
+        if config.compile_threads > 0:
+            precompile.prepare_driver()     # its gcc run, while we trace
+        if config.compile_threads > 0 and config.compile_workers > 0 and torch.version.hip is None:
+            # worker processes get ready to compile this graph's kernels while we trace
+            from .codegen import compile_pool
+            major, minor = torch.cuda.get_device_capability(cuda)
+            compile_pool.start(config.compile_workers, 10 * major + minor, known)
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")

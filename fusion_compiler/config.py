@@ -45,6 +45,9 @@ class Config:
     # Threads compiling a graph's Triton kernels at compile time (codegen/precompile.py); 0
     # leaves each kernel to compile on its first launch, one after another.
     compile_threads: int = 8
+    # Worker processes compiling Triton kernels beside this process (codegen/compile_pool.py),
+    # started with the first GPU graph: at most the usable cores less two; 0: threads only.
+    compile_workers: int = 8
     # Kernels per graph whose launch settings are tuned by timing on the GPU (the ones moving
     # the most bytes; codegen/autotune.py), results cached on disk; 0: the rules of launch.py.
     autotune: int = 0
@@ -101,7 +104,7 @@ def with_compile_args(config: Config, mode=None, options=None) -> Config:
 
 
 # integer settings are positive, except these, where 0 turns something off
-_ZERO_ALLOWED = {"compile_threads", "autotune"}
+_ZERO_ALLOWED = {"compile_threads", "compile_workers", "autotune"}
 _INT_WORDS = {0: "an integer >= 0", 1: "a positive integer"}
 
 

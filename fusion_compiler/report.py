@@ -27,6 +27,8 @@ class GraphReport:
     measured: list = None                          # rows of measure.measure_graph, if asked
     compile_seconds: float = 0.0                   # time in the backend's passes for this graph
     phase_seconds: dict = field(default_factory=dict)   # analyze, sources, triton, autotune, partition
+    # Triton kernels compiled at compile time: (by worker processes, all)
+    kernels_by_workers: tuple = (0, 0)
 
     @property
     def num_kernels(self) -> int:

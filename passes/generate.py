@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..codegen import autotune, precompile
+from ..codegen import autotune, compile_pool, precompile
 from ..codegen.kernel_ir import NotFusable, canonical_hints
 from ..codegen.launch import LEAN
 from ..codegen.render import generate
@@ -86,9 +86,17 @@ def _compile_kernels(ctx) -> None:
         calls_on.setdefault(launch.args[0], []).extend(calls)
         for call in calls:
             users.setdefault(call[0], []).append(g)
+    pool = compile_pool.current()
     for device, calls in calls_on.items():
-        for kernel, exc in precompile.compile_launches(calls, device,
-                                                       ctx.config.compile_threads).items():
+        counts: dict = {}
+        failed = precompile.compile_launches(calls, device, ctx.config.compile_threads, pool,
+                                             counts)
+        ctx.compiled[0] += counts.get("by_workers", 0)
+        ctx.compiled[1] += counts.get("kernels", 0)
+        if counts.get("by_workers"):
+            log.debug("fusion-compiler: %d of %d kernels compiled by worker processes",
+                      counts["by_workers"], counts["kernels"])
+        for kernel, exc in failed.items():
             if ctx.config.strict:
                 raise exc
             why = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"

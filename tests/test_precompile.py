@@ -81,7 +81,7 @@ def test_predicted_launches_are_the_real_ones(dtype, monkeypatch, device):
     assert unaligned and unaligned[0][1] == "", unaligned
 
 
-def _fail_persistent(calls, device, threads):
+def _fail_persistent(calls, device, threads, pool=None, counts=None):
     return {c[0]: RuntimeError("PTXAS error: Entry function uses too much shared data\nmore")
             for c in calls if _name(c[0]) == "_persistent_kernel"}
 
