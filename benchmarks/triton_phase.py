@@ -9,7 +9,8 @@ that turns the kernel's AST into TTIR, then TTIR, TTGIR, LLVM IR, PTX, cubin); e
 ``JITFunction.warmup`` span on the compile threads (codegen/precompile.py); each C module
 Triton loaded (``compile_module_from_src``: its driver utilities, a kernel's launcher) and
 whether gcc built it, with its span; and the Python modules compiled from source (no usable
-``.pyc``) during the call, grouped by folder. Spans are seconds from the first call's start.
+``.pyc``) during the call, grouped by folder; when each compile worker (codegen/compile_pool.py)
+started and was ready. Spans are seconds from the first call's start.
 """
 from __future__ import annotations
 
@@ -91,7 +92,14 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"first call {time.perf_counter() - start:.2f} s")
     for r in reports:
-        print("phases (s):", {k: round(v, 3) for k, v in r.phase_seconds.items()})
+        print("phases (s):", {k: round(v, 3) for k, v in r.phase_seconds.items()},
+              "kernels by workers: {} of {}".format(*r.kernels_by_workers))
+    from fusion_compiler.codegen import compile_pool
+    pool = compile_pool.current()
+    for i, w in enumerate(pool.started() if pool is not None else []):
+        ready = (f"ready {w.ready_seconds:.3f} s after, at {w.started_at + w.ready_seconds - start:.3f}"
+                 if w.ready_seconds is not None else "not ready")
+        print(f"worker {i}: started at {w.started_at - start:.3f} s, {ready}")
     print(f"{len(compiles)} Triton compiles ({sum(c[3] for c in compiles)} cache hits), s:")
     totals: dict = {}
     for thread, name, times, _ in compiles:

@@ -44,9 +44,10 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, str(WORKER), str(TRITON_LIB), str(arch)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
+        self.started_at = time.perf_counter()
         self.ready = False
         self.alive = True
-        self.ready_seconds = None
+        self.ready_seconds = None       # the worker's start-up, as it measured it
 
     def _receive(self, timeout: float):
         """The next message, or None if there is none within ``timeout`` seconds (the worker
