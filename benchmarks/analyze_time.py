@@ -5,8 +5,9 @@
 The model is traced once (aot_autograd with the backend's decompositions); then
 ``pipeline.analyze`` runs ``--reps`` times on copies of its graph, each with an empty cache
 folder (no stored decisions) and the lowering memo of the fuse pass cleared, as in a cold
-process, with Python's cyclic collector off while timed. Printed: the least and the median time, and a hash of the groups found (a change
-that should not move a decision must leave it as it was).
+process, with Python's cyclic collector off while timed. Printed: each time (the first after
+the trace), the least and the median, and a hash of the groups found (a change that should not
+move a decision must leave it as it was).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main() -> int:
         times.append(time.perf_counter() - started)
         gc.enable()
     groups = repr(sorted(sorted(str(n) for n in g.members) for g in ctx.groups))
+    print("each:", " ".join(f"{t:.3f}" for t in times))
     print(f"{a.target}: analyze least {min(times):.3f} s, median {statistics.median(times):.3f} s "
           f"over {a.reps}; {len(ctx.groups)} groups, {len(ctx.decisions)} decisions, groups hash "
           f"{hashlib.sha256(groups.encode()).hexdigest()[:16]}")

@@ -12,7 +12,8 @@ entry is the one this process looks up.
 
 Nothing depends on a worker: one that is not ready yet takes no kernel, one that fails a
 kernel or dies leaves it to this process's threads, which compile it as before (and report
-its error, if it has one).
+its error, if it has one). A pool unused for ``IDLE_S`` seconds is closed; the next graph
+starts another.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ log = logging.getLogger("fusion_compiler")
 WORKER = Path(__file__).with_name("compile_worker.py")
 TRITON_LIB = Path(__file__).with_name("triton_lib.py")
 COMPILE_TIMEOUT_S = 300.0       # one request (a kernel's launches); then the worker is dropped
+IDLE_S = 60.0       # a pool unused this long is closed (its workers exit); a later graph starts
+                    # another: idle workers hold ~0.2 GB of host memory each
 
 
 class Worker:
@@ -115,7 +118,8 @@ class CompilePool:
 
     def __init__(self, size: int, arch: int, key: str | None = None):
         self.arch = arch
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()        # held while in use
+        self.last_used = time.monotonic()
         self.workers: list = []
         self._starting = threading.Thread(target=self._start, args=(size, arch, key),
                                           name="fc-compile-start", daemon=True)
@@ -160,7 +164,8 @@ def workers_for(requested: int) -> int:
 
 def start(requested: int, arch: int, key: str | None = None) -> CompilePool | None:
     """The process's pool, started on first use with ``workers_for(requested)`` workers
-    compiling for ``arch`` (e.g. 90 for sm_90); None if that is none."""
+    compiling for ``arch`` (e.g. 90 for sm_90); None if that is none. A pool left unused for
+    ``IDLE_S`` seconds is closed, and the next call starts another."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -168,8 +173,34 @@ def start(requested: int, arch: int, key: str | None = None) -> CompilePool | No
             if size == 0:
                 return None
             _POOL = CompilePool(size, arch, key)
-            atexit.register(_POOL.close)
+            threading.Thread(target=_close_when_idle, args=(_POOL,), name="fc-compile-idle",
+                             daemon=True).start()
+        _POOL.last_used = time.monotonic()
         return _POOL
+
+
+def _close_when_idle(pool: CompilePool) -> None:
+    global _POOL
+    while True:
+        time.sleep(min(IDLE_S / 4, 5.0))
+        with _POOL_LOCK:
+            if _POOL is not pool:
+                return
+            if time.monotonic() - pool.last_used < IDLE_S or not pool.lock.acquire(blocking=False):
+                continue
+            _POOL = None
+        try:
+            pool.close()
+        finally:
+            pool.lock.release()
+        return
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    pool = _POOL
+    if pool is not None:
+        pool.close()
 
 
 def current() -> CompilePool | None:

@@ -23,6 +23,7 @@ import functools
 import logging
 import re
 import threading
+import time
 import types
 
 import torch
@@ -245,6 +246,7 @@ def compile_launches(calls: list, device: torch.device, threads: int, pool=None,
     with pool.lock:
         with_workers(by_kernel, run, GPUTarget("cuda", 10 * major + minor, 32), threads, pool,
                      counts)
+        pool.last_used = time.monotonic()
     return failed
 
 

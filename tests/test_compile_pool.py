@@ -200,3 +200,31 @@ def test_gpu_kernels_compiled_by_ready_workers(monkeypatch, cache_dir, tmp_path,
         assert hits and all(hits), hits
     finally:
         pool.close()
+
+
+def test_an_idle_pool_is_closed_and_the_next_graph_starts_another(monkeypatch):
+    """Workers left unused for IDLE_S exit (each holds ~0.2 GB of host memory); ``start``
+    then starts a new pool. A pool in use (its lock held) is not closed."""
+    import time
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(compile_pool, "_POOL", None)
+    monkeypatch.setattr(compile_pool, "IDLE_S", 0.4)
+    pool = compile_pool.start(2, 90)
+    workers = pool.started()
+    assert len(workers) == 2 and compile_pool.current() is pool
+    with pool.lock:                         # in use: kept past its idle time
+        time.sleep(1.0)
+        assert compile_pool.current() is pool and all(w.alive for w in workers)
+    deadline = time.monotonic() + 30
+    while compile_pool.current() is pool and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert compile_pool.current() is None
+    for w in workers:                       # closed: end of input, each worker exits
+        assert w.proc.wait(timeout=30) == 0
+    again = compile_pool.start(2, 90)
+    try:
+        assert again is not pool and compile_pool.current() is again
+    finally:
+        monkeypatch.setattr(compile_pool, "IDLE_S", 60.0)
+        again.close()
