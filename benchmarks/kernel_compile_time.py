@@ -128,8 +128,9 @@ def compile_all(specs: list, thread_counts: list) -> None:
     for threads in thread_counts:
         with tempfile.TemporaryDirectory() as cache:
             env["TRITON_CACHE_DIR"] = cache
-            proc = subprocess.run([sys.executable, "-c", COMPILE], input=pickle.dumps((specs, threads)),
-                                  capture_output=True, env=env, check=True)
+            proc = subprocess.run([sys.executable, "-c", COMPILE],
+                                  input=pickle.dumps((specs, threads)), capture_output=True,
+                                  env=env, check=True)
         result = json.loads(proc.stdout.decode().strip().splitlines()[-1])
         compiled = [k for k in result["kernels"] if k["seconds"] > 0.005]   # not a cache hit
         print(f"{len(specs)} distinct launches ({len(compiled)} compiled, the rest the same "

@@ -97,8 +97,8 @@ def main() -> int:
     from fusion_compiler.codegen import compile_pool
     pool = compile_pool.current()
     for i, w in enumerate(pool.started() if pool is not None else []):
-        ready = (f"ready {w.ready_seconds:.3f} s after, at {w.started_at + w.ready_seconds - start:.3f}"
-                 if w.ready_seconds is not None else "not ready")
+        ready = ("not ready" if w.ready_seconds is None else f"ready {w.ready_seconds:.3f} s "
+                 f"after, at {w.started_at + w.ready_seconds - start:.3f}")
         print(f"worker {i}: started at {w.started_at - start:.3f} s, {ready}")
     print(f"{len(compiles)} Triton compiles ({sum(c[3] for c in compiles)} cache hits), s:")
     totals: dict = {}

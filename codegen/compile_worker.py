@@ -1,9 +1,10 @@
 """A compile worker (codegen/compile_pool.py): a process that compiles generated Triton kernels
 into Triton's on-disk cache, where the parent process's compile then finds them.
 
-Run as a script, by path, without TRITON_INTERPRET: it imports Triton only, neither torch nor this package, so it is
-ready (Triton imported, its key known, one small kernel compiled so that Triton's lazy imports
-and first-compile set-up are done) about a second after it starts. The parent starts its
+Run as a script, by path, without TRITON_INTERPRET: it imports Triton only, neither torch nor
+this package, so it is ready (Triton imported, its key known, one small kernel compiled so that
+Triton's lazy imports and first-compile set-up are done) 0.4-0.9 s after it starts on the H200
+device's host. The parent starts its
 workers as the backend starts, before aot_autograd traces.
 
     python compile_worker.py TRITON_LIB_PATH ARCH

@@ -270,8 +270,9 @@ def with_workers(by_kernel: dict, run, target, threads: int, pool, counts: dict)
             kernel, kernel_calls = job
             path = kernel.fn.__code__.co_filename
             try:
-                requests = [(path, kernel.fn.__name__, *bind_for_target(kernel, args, kwargs, target),
-                             (target.backend, target.arch, target.warp_size))
+                where = (target.backend, target.arch, target.warp_size)
+                requests = [(path, kernel.fn.__name__,
+                             *bind_for_target(kernel, args, kwargs, target), where)
                             for _, _, args, kwargs in kernel_calls]
             except Exception:           # compiled here instead, which reports the error
                 requests = None

@@ -127,6 +127,7 @@ def stored(compute, package_dir: Path, folder: Path, version: str, helper=None):
                 atomic_write(path, value)
             except OSError as exc:                # the store is an optimisation
                 log.debug("fusion-compiler: Triton's key not stored (%s)", exc)
+            key.fc_known = value
             return value
     key.fc_stored, key.fc_compute, key.fc_known = True, compute, known
     return key
@@ -135,7 +136,8 @@ def stored(compute, package_dir: Path, folder: Path, version: str, helper=None):
 def install(cache_dir: Path, helper: bool = False):
     """Have Triton take its key from here (once per process; a Triton without the function this
     replaces is left as it is). ``helper``: start the helper process if nothing is stored.
-    Returns the key if an earlier process stored it, else None."""
+    Returns the key if it is known yet (stored by an earlier process, or computed in this
+    one), else None."""
     import triton
     from triton.runtime import cache as triton_cache
 

@@ -196,11 +196,11 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         known = triton_key.install(config.cache_dir, helper=True)
         if config.compile_threads > 0:
             precompile.prepare_driver()     # its gcc run, while we trace
-        if config.compile_threads > 0 and config.compile_workers > 0 and torch.version.hip is None:
-            # worker processes get ready to compile this graph's kernels while we trace
-            from .codegen import compile_pool
-            major, minor = torch.cuda.get_device_capability(cuda)
-            compile_pool.start(config.compile_workers, 10 * major + minor, known)
+            if config.compile_workers > 0 and torch.version.hip is None:
+                # worker processes get ready to compile this graph's kernels while we trace
+                from .codegen import compile_pool
+                major, minor = torch.cuda.get_device_capability(cuda)
+                compile_pool.start(config.compile_workers, 10 * major + minor, known)
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")

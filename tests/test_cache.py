@@ -691,14 +691,17 @@ def test_triton_key_is_stored_once_and_read_back_by_the_next_process(tmp_path):
         calls.append(1)
         return "9.9.9-abc"
     first = K.stored(compute, pkg, store, "9.9.9")
+    assert first.fc_known is None                   # what compile workers are given: not yet
     assert first() == "9.9.9-abc" and first() == "9.9.9-abc"
+    assert first.fc_known == "9.9.9-abc"
     assert len(calls) == 1                          # once per process
     (entry,) = store.iterdir()
     assert entry.read_text() == "9.9.9-abc"
 
     def never():
         raise AssertionError("the stored key was not used")
-    assert K.stored(never, pkg, store, "9.9.9")() == "9.9.9-abc"    # a later process
+    later = K.stored(never, pkg, store, "9.9.9")
+    assert later.fc_known == "9.9.9-abc" and later() == "9.9.9-abc"   # a later process
 
 
 def test_triton_key_is_computed_again_when_a_file_changes_or_the_entry_is_bad(tmp_path):

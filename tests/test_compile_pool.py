@@ -79,7 +79,8 @@ if how == "dead":
 if how == "bad request":                # each worker fails what it is sent
     for w in pool.workers:
         real = w.compile
-        w.compile = lambda requests, real=real: real([("/no/such/file.py",) + r[1:] for r in requests])
+        w.compile = lambda requests, real=real: real([("/no/such/file.py",) + r[1:]
+                                                      for r in requests])
 compiled = []
 knobs.compilation.listener = lambda **kw: compiled.append(
     (threading.current_thread().name, kw["src"].name, kw["cache_hit"]))
