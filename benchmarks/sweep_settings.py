@@ -35,14 +35,17 @@ from fusion_compiler import patterns as P
 
 _row, _pw = L.row_settings, L.pointwise_settings
 FORCE = {}
+CHOSEN = {}     # what launch.py's own rule returned on the last call, by kind
 
 
 def row_settings(rows, n, maxp):
-    return FORCE.get("row") or _row(rows, n, maxp)
+    CHOSEN["row"] = _row(rows, n, maxp)
+    return FORCE.get("row") or CHOSEN["row"]
 
 
 def pointwise_settings(numel, stream_bytes=2):
-    return FORCE.get("pointwise") or _pw(numel, stream_bytes)
+    CHOSEN["pointwise"] = _pw(numel, stream_bytes)
+    return FORCE.get("pointwise") or CHOSEN["pointwise"]
 
 
 L.row_settings, L.pointwise_settings = row_settings, pointwise_settings
@@ -73,7 +76,7 @@ def row_candidates(rows, n):
 
 
 def pointwise_candidates(numel):
-    return [(b, w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8, 16)
+    return [(b, w) for b in (128, 256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8, 16)
             if 32 * w * 2 <= b and b <= 4 * max(numel, 256)]
 
 
@@ -133,7 +136,7 @@ def main():
         base = time_ms(f, args)
         pointwise = name in ("swiglu", "bias_gelu", "dequant_add")
         key = "pointwise" if pointwise else "row"
-        default = _pw(rows * n) if pointwise else _row(rows, n, 16384)
+        default = CHOSEN[key]           # the rule's setting, with the kernel's own arguments
         cands = pointwise_candidates(rows * n) if pointwise else row_candidates(rows, n)
         times = {}
         for c in cands:
