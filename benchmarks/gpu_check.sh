@@ -7,7 +7,10 @@
 #       COMPILE_TARGETS="examples/bert.py:bench_16x256" bash benchmarks/gpu_check.sh
 # Steps:
 #   suite      the GPU test suite
-#   small      patterns at 64, 512 and 1 rows
+#   small      every pattern at 1, 64 and 512 rows (softmax: 1, 4096 and 32768 rows of 1024, the
+#              last two patterns.py's 64 and 512) by benchmarks/time_split.py: do_bench medians, the
+#              kernels' own time and the time per call back to back (do_bench alone cannot rank
+#              cases this small: its event timer moves in steps of about 0.5 us, BENCHMARKS.md)
 #   patterns   patterns at 16384 rows
 #   variants   benchmarks/variants.py with $VARIANTS_ARGS
 #   models     `bench` on $MODELS
@@ -50,8 +53,13 @@ for s in $STEPS; do
     case $s in
     suite) step suite 240 "python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider tests -rfE \
         --timeout=120 --tb=short -p no:warnings ${PYTEST_ARGS:-} 2>&1 | $quiet | tail -40" ;;
-    small) step small 150 "python3 benchmarks/patterns.py --rows 64 512 1 --rounds 5 \
-        --out $OUT/patterns_small.json 2>&1 | $quiet" ;;
+    small) cases=""
+        for p in add_rmsnorm add_layernorm rmsnorm_fp8 rmsnorm_dynamic_fp8 dequant_add; do
+            for r in 1 64 512; do cases="$cases $p:$r:4096"; done; done
+        for p in swiglu bias_gelu; do for r in 1 64 512; do cases="$cases $p:$r:11008"; done; done
+        cases="$cases softmax_scale:1:1024 softmax_scale:4096:1024 softmax_scale:32768:1024"
+        step small 330 "python3 benchmarks/time_split.py --rounds 5 --cases $cases \
+        --out $OUT/split_small.json 2>&1 | $quiet" ;;
     patterns) step patterns 120 "python3 benchmarks/patterns.py --rows 16384 \
         --out $OUT/patterns.json 2>&1 | $quiet" ;;
     variants) step variants 150 "python3 benchmarks/variants.py --rounds 3 --out /tmp/variants \

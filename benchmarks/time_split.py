@@ -57,6 +57,20 @@ def references(nbytes):
     return [("copy", lambda: b.copy_(a), ()), ("1-element add", lambda: one.add_(1), ())]
 
 
+def summary(rows_out) -> None:
+    """One line per case: Inductor / fusion by each measure (do_bench and call: least of the
+    rounds), and which of the three fusion trails by more than 0.05 us."""
+    print(f"\n{'case':32s} {'do_bench I / F':>16s} {'kernel I / F':>14s} {'call I / F':>14s}")
+    for row in rows_out:
+        i, f = row["results"]["inductor"], row["results"]["fusion"]
+        pairs = [(min(i["do_bench_us"]), min(f["do_bench_us"])), (i["kernel_us"], f["kernel_us"]),
+                 (min(i["call_us"]), min(f["call_us"]))]
+        behind = [name for name, (x, y) in zip(("do_bench", "kernel", "call"), pairs)
+                  if y > x + 0.05]
+        print(f"{row['case']:32s} " + " ".join(f"{x:7.2f} / {y:6.2f}" for x, y in pairs)
+              + (f"   fusion behind: {', '.join(behind)}" if behind else ""), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", type=parse_case, required=True)
@@ -103,6 +117,8 @@ def main():
                   f"{r['kernels']:7d}  | do_bench "
                   + "/".join(f"{t:.1f}" for t in r["do_bench_us"]) + "  call "
                   + "/".join(f"{t:.1f}" for t in r["call_us"]), flush=True)
+    if {"inductor", "fusion"} <= set(a.backends):
+        summary(rows_out)
     if a.out:
         Path(a.out).write_text(json.dumps({"copy_TBps": bw / 1e12, "cases": rows_out}, indent=1))
 

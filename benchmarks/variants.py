@@ -1,12 +1,14 @@
 """Which code-generation change would close a pattern's gap to the HBM floor? (GPU)
 
     python benchmarks/variants.py [--out DIR] [--only NAME ...] [--rounds N] [--rows M]
+        [--kernel-time]
 
 For each pattern below the 90% target, the kernel the backend generates is rewritten by small
 text substitutions (each a hypothesis: a cheaper reduction combine, a reciprocal instead of a
 per-element division, a compile-time row length, a cheaper tanh, other block shapes) and timed
 beside the original and Inductor on the same inputs (do_bench medians, L2 flushed), with its
-error against eager (and the share of fp8 / bf16 / fp16 elements bit-equal to eager's). Besides
+error against eager (and the share of fp8 / bf16 / fp16 elements bit-equal to eager's), and with
+``--kernel-time`` the kernels' own device time (what small sizes need). Besides
 the anchor patterns: GPT-2's GELU (``EXTRA_CASES``). A variant that wins here is then built into
 the code generator properly;
 this script only measures. Writes the kernels' PTX and Inductor's code under --out.
@@ -24,6 +26,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import cases, copy_bandwidth  # noqa: E402
+from timing import kernel_times  # noqa: E402
 
 from fusion_compiler.measure import recording  # noqa: E402
 
@@ -116,6 +119,22 @@ def reload(text):
     assert keep != rhs, rhs
     return "\n".join(lines[:first] + [f"    {name} = {keep}"] + lines[first + 1:after + 1]
                      + [f"    {name}_r = {drop}"] + tail)
+
+
+def store_early(text):
+    """Each store of a row kernel moved up to just after the line that computes its value (the
+    sum h = x + r of add+RMSNorm before the row's reduction, not after it): its write can
+    start while the row reduces."""
+    lines = text.split("\n")
+    for i, line in enumerate(list(lines)):
+        m = re.match(r"\s+tl\.store\(out\d+ \+ .*?, fl\.store_\w+\((\w+)\), ", line)
+        if not m:
+            continue
+        at = next((j for j, ln in enumerate(lines) if re.match(rf"\s+{m.group(1)} = ", ln)), None)
+        if at is not None and at + 1 < lines.index(line):
+            lines.remove(line)
+            lines.insert(at + 1, line)
+    return "\n".join(lines)
 
 
 def persistent(programs: int, stages: int = 0):
@@ -221,6 +240,15 @@ VARIANTS = {
     },
     "add_rmsnorm": {
         "w4": [rows(1, 4)],
+        "hoist loads": [hoist_loads],
+        "store early": [store_early],
+        "hoist loads, store early": [hoist_loads, store_early],
+        "hoist loads, store early, w16": [hoist_loads, store_early, rows(1, 16)],
+    },
+    "add_layernorm": {
+        "hoist loads": [hoist_loads],
+        "store early": [store_early],
+        "hoist loads, store early": [hoist_loads, store_early],
     },
     "rmsnorm_fp8": {
         "const N": [const_n(4096)],
@@ -228,6 +256,7 @@ VARIANTS = {
         "w2": [rows(1, 2)],
         "evict x": [EVICT_X],
         "w16": [rows(1, 16)],
+        "hoist loads": [hoist_loads],
     },
     "rmsnorm_dynamic_fp8": {
         "const N": [const_n(4096)],
@@ -236,6 +265,7 @@ VARIANTS = {
         "evict x, w4": [EVICT_X, rows(1, 4)],
         "2 rows w8": [rows(2, 8)],
         "w16": [rows(1, 16)],
+        "hoist loads": [hoist_loads],
     },
 }
 
@@ -274,6 +304,9 @@ def main():
                     help="time every variant this many times, interleaved; keep the least median")
     ap.add_argument("--rows", type=int, default=16384,
                     help="rows of the anchor patterns (their widths as in patterns.py)")
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="also the kernels' own device time per call after an L2 flush "
+                         "(profiler): small sizes, where do_bench's timer and host delays blur")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -336,13 +369,22 @@ def main():
             for label, f in timed.items():
                 ms = do_bench(f, warmup=25, rep=200, return_mode="median")
                 best[label] = min(best.get(label, ms), ms)
+        kernel_us = {}
+        for _ in range(a.rounds if a.kernel_time else 0):
+            for label, f in timed.items():
+                us = kernel_times(lambda f=f: f(), ())["kernel_us"]
+                kernel_us[label] = min(kernel_us.get(label, us), us)
         for label, ms in best.items():
             row[label] = {"ms": ms, "pct_floor": 100 * floor_ms / ms}
+            kt = ""
+            if label in kernel_us:
+                row[label]["kernel_us"] = kernel_us[label]
+                kt = f"  kernel {kernel_us[label]:6.2f} us"
             err = row.get("errors", {}).get(label)
             err = (f"  max err {err['max_abs_error']:.3g}, bits equal {100 * err['bits_equal']:.4f}%"
                    if err else "")
-            print(f"{name:22s} {label:28s} {ms * 1e3:8.1f} us  {100 * floor_ms / ms:5.1f}% of floor"
-                  f"{err}", flush=True)
+            print(f"{name:22s} {label:32s} {ms * 1e3:8.1f} us  {100 * floor_ms / ms:5.1f}% of floor"
+                  f"{kt}{err}", flush=True)
         results["patterns"][name] = row
         with open(out_dir / "code.txt", "a") as f:
             f.write("\n".join(code) + "\n")
