@@ -39,18 +39,6 @@ NO_MASK = [(r", mask=rmask & cmask, other=0\)", ")"), (r", mask=rmask & cmask\)"
            (r", mask=xmask, other=0\)", ")"), (r", mask=xmask\)", ")")]
 
 
-def hoist_loads(text):
-    """Loads that do not depend on a row reduction (a weight row, a scale) moved before it:
-    Triton does not move a load across the reduction's barrier, so each row program otherwise
-    waits for them after the reduction."""
-    lines = text.split("\n")
-    anchor = next(i for i, line in enumerate(lines) if line.strip() == "mask = rmask & cmask")
-    moving = [line for line in lines[anchor + 1:]
-              if re.match(r"\s+x\d+ = tl\.load\(in\d+ \+ (cols|0)[,)]", line)]
-    rest = [line for line in lines if line not in moving]
-    return "\n".join(rest[:anchor + 1] + moving + rest[anchor + 1:])
-
-
 def loads_where_used(text):
     """A pointwise kernel's loads each moved down to just before the first line that uses
     them: the order the code generator emitted before it put loads first (session 13)."""
@@ -240,15 +228,10 @@ VARIANTS = {
     },
     "add_rmsnorm": {
         "w4": [rows(1, 4)],
-        "hoist loads": [hoist_loads],
         "store early": [store_early],
-        "hoist loads, store early": [hoist_loads, store_early],
-        "hoist loads, store early, w16": [hoist_loads, store_early, rows(1, 16)],
     },
     "add_layernorm": {
-        "hoist loads": [hoist_loads],
         "store early": [store_early],
-        "hoist loads, store early": [hoist_loads, store_early],
     },
     "rmsnorm_fp8": {
         "const N": [const_n(4096)],
@@ -256,7 +239,6 @@ VARIANTS = {
         "w2": [rows(1, 2)],
         "evict x": [EVICT_X],
         "w16": [rows(1, 16)],
-        "hoist loads": [hoist_loads],
     },
     "rmsnorm_dynamic_fp8": {
         "const N": [const_n(4096)],
@@ -265,7 +247,6 @@ VARIANTS = {
         "evict x, w4": [EVICT_X, rows(1, 4)],
         "2 rows w8": [rows(2, 8)],
         "w16": [rows(1, 16)],
-        "hoist loads": [hoist_loads],
     },
 }
 
@@ -281,12 +262,14 @@ def load_module(source: str, name: str, folder: Path):
 
 def compare(out, expected) -> dict:
     """Worst error over the outputs, matched by shape and dtype (a launcher returns them in its
-    group's order, not necessarily the function's)."""
+    group's order, not necessarily the function's), and among outputs alike in both (add+RMSNorm's
+    sum and norm) by the least error."""
     out = list(out) if isinstance(out, (tuple, list)) else [out]
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     worst, exact = 0.0, 1.0
     for e in expected:
-        i = next(i for i, o in enumerate(out) if o.shape == e.shape and o.dtype == e.dtype)
+        alike = [i for i, o in enumerate(out) if o.shape == e.shape and o.dtype == e.dtype]
+        i = min(alike, key=lambda i: (out[i].float() - e.float()).abs().max().item())
         a = out.pop(i)
         if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             exact = min(exact, (a.view(torch.uint8) == e.view(torch.uint8)).float().mean().item())

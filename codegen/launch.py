@@ -47,6 +47,17 @@ def _sm_count() -> int:
     return 132
 
 
+FEW_PROGRAMS_PER_SM = 4     # at most this many programs per SM: a grid bound by latency
+
+
+@functools.lru_cache(maxsize=1024)
+def few_programs(grid: int) -> bool:
+    """Whether a grid of ``grid`` programs has at most ``FEW_PROGRAMS_PER_SM`` per SM (528 on
+    the H200): its programs wait on memory latency more than they share the bandwidth, so each
+    should have its loads in flight early (row kernels: HOIST, codegen/render.py)."""
+    return grid <= FEW_PROGRAMS_PER_SM * _sm_count()
+
+
 @functools.lru_cache(maxsize=1024)
 def row_settings(rows: int, n: int, max_persistent_block: int):
     """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``.
@@ -61,7 +72,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int):
         return 1, LOOPED_RBLOCK, True, 8
     xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
     warps = _warps(xblock * rblock)
-    if xblock * rblock >= 2048 and -(-rows // xblock) <= 4 * _sm_count():
+    if xblock * rblock >= 2048 and few_programs(-(-rows // xblock)):
         warps = min(2 * warps, 32)
     return xblock, rblock, False, warps
 

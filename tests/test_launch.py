@@ -299,3 +299,67 @@ def test_pointwise_kernel_requests_every_input_before_computing(cache_dir, devic
     index_at = next(i for i, ln in enumerate(lines) if ln.startswith("x") and "in0 + " in ln)
     row_at = next(i for i, ln in enumerate(lines) if "in1 + " in ln)
     assert index_at < row_at
+
+
+@pytest.mark.parametrize("hoist", [True, False])
+@pytest.mark.parametrize("name, dtype, later", [
+    ("add_rmsnorm", torch.bfloat16, ["in2"]),          # the weight row
+    ("add_rmsnorm", torch.float32, ["in2"]),
+    ("add_layernorm", torch.float16, ["in2", "in3"]),  # weight and bias rows
+    ("rmsnorm_fp8", torch.bfloat16, ["in1"]),          # the weight row (the scale comes first)
+    ("rmsnorm_dynamic_fp8", torch.bfloat16, ["in1"]),  # after both row reductions
+])
+def test_row_kernel_issues_its_later_loads_first_on_a_small_grid(
+        cache_dir, device, monkeypatch, hoist, name, dtype, later):
+    """A persistent row kernel's loads that come after its first reduction (a weight row) are
+    issued at its start when the launcher's grid has few programs per SM (HOIST), and where
+    they are otherwise; either way, one kernel and eager's numbers, on an odd shape."""
+    from helpers import assert_close, as_tuple, compile_and_run, kernel_count
+    from patterns import PATTERNS, make_args
+
+    from fusion_compiler.codegen import launch
+    seen = []
+    real = launch.first_launch
+
+    def spy(table, key, kernel, grid, *args, **kwargs):
+        seen.append(kwargs.get("HOIST"))
+        return real(table, key, kernel, grid, *args, **kwargs)
+    monkeypatch.setattr(launch, "first_launch", spy)
+    monkeypatch.setattr(launch, "few_programs", lambda grid: hoist)
+    args = make_args(name, 7, 300, dtype, device)
+    out, reports = compile_and_run(PATTERNS[name], args)
+    assert kernel_count(reports) == 1
+    for got, want in zip(as_tuple(out), as_tuple(PATTERNS[name](*args))):
+        if want.dtype == torch.float8_e4m3fn:      # the quantized values: as bf16, one fp8 step
+            assert_close(got.to(torch.bfloat16), want.to(torch.bfloat16), atol=0, rtol=0.125)
+        else:
+            assert_close(got, want, dtype if want.dtype == dtype else want.dtype)
+    assert seen == [hoist]
+    (source,) = [p.read_text() for p in cache_dir.rglob("*.py")]
+    kernel = source[source.index("def _persistent_kernel"):source.index("_COMPILED_")]
+    first_reduction = min(kernel.index(r) for r in ("tl.sum(", "fl.row_max(") if r in kernel)
+    top, rest = kernel.index("if HOIST:"), kernel.index("if not HOIST:")
+    assert top < first_reduction < rest
+    for i in later:                 # in both places, nowhere else
+        assert kernel.count(f"tl.load({i} + cols") == 2
+        assert top < kernel.index(f"tl.load({i} + cols") < first_reduction
+        assert rest < kernel.rindex(f"tl.load({i} + cols")
+
+
+def test_row_kernel_without_later_loads_has_no_hoist_switch(cache_dir, device):
+    """Softmax loads its row once, before its first reduction: no HOIST constexpr, no key part."""
+    from helpers import assert_close, compile_and_run, kernel_count
+    from patterns import PATTERNS, make_args
+
+    args = make_args("softmax_scale", 5, 77, torch.bfloat16, device)
+    out, reports = compile_and_run(PATTERNS["softmax_scale"], args)
+    assert kernel_count(reports) == 1
+    assert_close(out, PATTERNS["softmax_scale"](*args), torch.bfloat16)
+    (source,) = [p.read_text() for p in cache_dir.rglob("*.py")]
+    assert "HOIST" not in source
+
+
+def test_few_programs_is_four_per_sm():
+    from fusion_compiler.codegen import launch
+    limit = launch.FEW_PROGRAMS_PER_SM * launch._sm_count()
+    assert launch.few_programs(limit) and not launch.few_programs(limit + 1)
