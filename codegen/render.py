@@ -30,6 +30,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
         return _generate_multipart(ir, parts, hints, title)
     kind, shape = iteration_space(ir)
     kernels = []
+    hoists = False          # a persistent kernel with loads after its reduction (HOIST)
     if kind == "pointwise":
         kernels.append(("pointwise", _render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
@@ -44,8 +45,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = _render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
-                                max_persistent_block, kind == "row" and "persistent" in dict(kernels)
-                                and hoists)
+                                max_persistent_block, hoists)
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
 
 
