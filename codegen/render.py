@@ -394,7 +394,7 @@ def _row_phases(lk, stmt_lines, persistent):
             # reduction go out before it, so a program waits on memory once; 64 rows of 4096 on
             # the H200, kernel time: add+RMSNorm 2.50 -> 2.30 us, add+LayerNorm 2.88 -> 2.53,
             # RMSNorm+FP8 1.74 -> 1.54. Not on large grids, whose programs overlap each other's
-            # waits anyway: there the longer-lived registers cost 0.5-1.6% (16384 rows).
+            # waits anyway: there the longer-lived registers cost 0.2-1.6% (16384 rows).
             lines.append("if HOIST:")
             lines += ["    " + ln for st in late for ln in stmt_lines(st)]
 
