@@ -17,7 +17,7 @@ from fusion_compiler import patterns as P
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pattern", choices=sorted(P.PATTERNS))
+    ap.add_argument("pattern", choices=sorted(set(P.PATTERNS) - {"rope"}))  # make_args: no rope
     ap.add_argument("rows", type=int)
     ap.add_argument("n", type=int)
     ap.add_argument("--calls", type=int, default=3)
