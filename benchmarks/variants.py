@@ -114,7 +114,7 @@ def store_early(text):
     sum h = x + r of add+RMSNorm before the row's reduction, not after it): its write can
     start while the row reduces."""
     lines = text.split("\n")
-    for i, line in enumerate(list(lines)):
+    for line in list(lines):
         m = re.match(r"\s+tl\.store\(out\d+ \+ .*?, fl\.store_\w+\((\w+)\), ", line)
         if not m:
             continue

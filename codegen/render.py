@@ -146,6 +146,7 @@ def _header(ir, title, kind):
 def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
     """Source of one @triton.jit kernel and the names of its runtime size arguments."""
     row = lk.kind == "row"
+    late = _late_loads(lk) if name == "_persistent_kernel" else []      # written twice: HOIST
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in _all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | _select_preds(lk)
     exprs += list(preds)
@@ -247,7 +248,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
                   "    pid = pid.to(tl.int64)",
                   "rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
                   "rmask = rindex < R"]
-        lines += _row_phases(lk, stmt_lines, persistent=name == "_persistent_kernel")
+        lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
         for stmt in lk.tail:
             lines += stmt_lines(stmt)
     else:
@@ -274,7 +275,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
     if row:
         params += ["R, N,  # rows, row length", "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr,",
                    "INDEX64: tl.constexpr,"]
-        if name == "_persistent_kernel" and _late_loads(lk):
+        if late:
             params.append("HOIST: tl.constexpr,")
         nospec = '"R"'
     else:
@@ -377,9 +378,8 @@ _RED_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}
              "min": "fl.min_combine({a}, {v})"}
 
 
-def _row_phases(lk, stmt_lines, persistent):
+def _row_phases(lk, stmt_lines, persistent, late):
     lines = []
-    late = []
     if persistent:
         # a static row length as a literal: where it fills the block (4096 of 4096) Triton
         # drops the column masks, their selects and predicates (~2 instructions per element of
@@ -388,7 +388,6 @@ def _row_phases(lk, stmt_lines, persistent):
         bound = _py(n) if sympy.sympify(n).is_Integer else "N"
         lines += ["cols = tl.arange(0, RBLOCK)[None, :]", f"cmask = cols < {bound}",
                   "mask = rmask & cmask"]
-        late = _late_loads(lk)
         if late:
             # HOIST (a grid of few programs per SM, launch.few_programs): the loads after the
             # reduction go out before it, so a program waits on memory once; 64 rows of 4096 on
