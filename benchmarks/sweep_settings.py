@@ -8,7 +8,9 @@ by Inductor and timed in the same run, and Inductor's chosen launch configuratio
 (block sizes, warps, stages; from its autotuners), so a miss against Inductor can be read off
 as a settings difference or not. ``--kernel-time`` times every setting, and Inductor, by the
 kernel's own device time from the profiler (each call after an L2 flush) instead of do_bench
-medians, which host delays move at small sizes.
+medians, which host delays move at small sizes. ``--warm`` times them by the GPU's time per
+call of calls captured back to back in a CUDA graph (timing.graph_times): inputs left in L2 by
+the call before, as in a model whose layers feed each other, and no host in the way.
 
 The settings functions of codegen/launch.py are replaced by ones that return a forced setting,
 so the very kernels the backend generates are timed. The results feed the
@@ -28,7 +30,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import kernel_times  # noqa: E402
+from timing import graph_times, kernel_times  # noqa: E402
 
 import fusion_compiler.codegen.launch as L
 from fusion_compiler import patterns as P
@@ -113,9 +115,14 @@ def main():
     ap.add_argument("--kernel-time", action="store_true",
                     help="time each setting by its kernel's device time (profiler) instead of "
                          "do_bench: small cases, where host delays move do_bench medians")
+    ap.add_argument("--warm", action="store_true",
+                    help="time each setting by the GPU's time per call of captured calls back "
+                         "to back (CUDA graph, no L2 flush)")
     a = ap.parse_args()
 
     def time_ms(fn, args):
+        if a.warm:
+            return graph_times(fn, args)["graph_call_us"] / 1e3
         if a.kernel_time:
             return kernel_times(fn, args)["kernel_us"] / 1e3
         return do_bench(lambda: fn(*args), warmup=10, rep=60, return_mode="median")

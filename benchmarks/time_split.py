@@ -11,8 +11,13 @@ backend, besides the do_bench median (the measure of record):
   lead      from the flush's end to the call's first kernel start, on the GPU (profiler)
   span      from the flush's end to the call's last kernel end: what do_bench's events can
             see at best
+  graph     do_bench of the call captured in a CUDA graph: do_bench's method with the host's
+            launch path taken out (one graph launch instead)
+  gcall     the GPU's own time per call, many captured calls back to back (no flush)
 Reference rows per case size: a copy moving the case's bytes (half read, half written) and a
-one-element add, which shows the fixed cost of do_bench's method on this machine.
+one-element add, which shows the fixed cost of do_bench's method on this machine. (The copy's
+graph columns do not compare: a captured ``copy_`` is a memcpy node, which ran 30-50% slower
+than the same copy launched as a kernel on the H200, session 17.)
 do_bench and call times are taken in ``--rounds`` turns over the backends (the least counts,
 all are printed); the profiler runs after all of them, since a profiler session slows the
 host path of the calls after it (BENCHMARKS.md, session 8).
@@ -30,7 +35,7 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import copy_bandwidth  # noqa: E402
-from timing import call_us, kernel_times  # noqa: E402
+from timing import call_us, graph_times, kernel_times  # noqa: E402
 
 from fusion_compiler import patterns as P  # noqa: E402
 
@@ -59,15 +64,16 @@ def references(nbytes):
 
 def summary(rows_out) -> None:
     """One line per case: Inductor / fusion by each measure (do_bench and call: least of the
-    rounds), and which of the three fusion trails by more than 0.05 us."""
-    print(f"\n{'case':32s} {'do_bench I / F':>16s} {'kernel I / F':>14s} {'call I / F':>14s}")
+    rounds), and which of them fusion trails by more than 0.05 us."""
+    names = ("do_bench", "kernel", "call", "graph", "gcall")
+    print(f"\n{'case':32s} " + " ".join(f"{n + ' I / F':>16s}" for n in names))
     for row in rows_out:
         i, f = row["results"]["inductor"], row["results"]["fusion"]
         pairs = [(min(i["do_bench_us"]), min(f["do_bench_us"])), (i["kernel_us"], f["kernel_us"]),
-                 (min(i["call_us"]), min(f["call_us"]))]
-        behind = [name for name, (x, y) in zip(("do_bench", "kernel", "call"), pairs)
-                  if y > x + 0.05]
-        print(f"{row['case']:32s} " + " ".join(f"{x:7.2f} / {y:6.2f}" for x, y in pairs)
+                 (min(i["call_us"]), min(f["call_us"])), (i["graph_us"], f["graph_us"]),
+                 (i["graph_call_us"], f["graph_call_us"])]
+        behind = [name for name, (x, y) in zip(names, pairs) if y > x + 0.05]
+        print(f"{row['case']:32s} " + " ".join(f"{x:8.2f} / {y:6.2f}" for x, y in pairs)
               + (f"   fusion behind: {', '.join(behind)}" if behind else ""), flush=True)
 
 
@@ -102,6 +108,9 @@ def main():
         case = f"{name}:{rows}:{n}"
         rows_out.append({"case": case, "bytes": nbytes, "floor_us": floor_us, "results": results})
         timed.append((case, entries, results))
+    for case, entries, results in timed:
+        for label, f, fargs in entries:
+            results[label].update(graph_times(f, fargs))
     for case, entries, results in timed:             # the profiler last (see the docstring)
         for label, f, fargs in entries:
             results[label].update(kernel_times(f, fargs))
@@ -109,11 +118,12 @@ def main():
         print(f"\n{row['case']}: {row['bytes'] / 1e6:.1f} MB, floor {row['floor_us']:.1f} us "
               f"(least of {a.rounds} rounds; all rounds after '|')", flush=True)
         print(f"  {'':14s} {'do_bench':>9s} {'%floor':>6s} {'call':>8s} {'kernel':>8s} "
-              f"{'lead':>6s} {'span':>8s} {'kernels':>7s}")
+              f"{'lead':>6s} {'span':>8s} {'graph':>8s} {'gcall':>8s} {'kernels':>7s}")
         for label, r in row["results"].items():
             db, cl = min(r["do_bench_us"]), min(r["call_us"])
             print(f"  {label:14s} {db:9.1f} {100 * row['floor_us'] / db:5.0f}% {cl:8.1f} "
                   f"{r['kernel_us']:8.1f} {r['lead_us']:6.1f} {r['span_us']:8.1f} "
+                  f"{r['graph_us']:8.2f} {r['graph_call_us']:8.2f} "
                   f"{r['kernels']:7d}  | do_bench "
                   + "/".join(f"{t:.1f}" for t in r["do_bench_us"]) + "  call "
                   + "/".join(f"{t:.1f}" for t in r["call_us"]), flush=True)

@@ -9,6 +9,9 @@ event. These helpers take that apart:
                     profiler; and the gap from the flush's end to the call's first kernel
   call_us           wall time per call of many calls back to back: the host's launch path
                     and the kernels together, as a launch-bound model sees them
+  graph_times       the call captured in CUDA graphs, so that the host is out of the picture:
+                    do_bench of one captured call (flush and events as do_bench's own), and the
+                    GPU's time per call of many captured calls back to back
 """
 from __future__ import annotations
 
@@ -73,3 +76,48 @@ def call_us(f, args, calls: int = 200) -> float:
         f(*args)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _capture(f, args, calls: int):
+    """A CUDA graph of ``calls`` calls of ``f`` (warmed up on a side stream first, as capture
+    requires), or None where the call cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                f(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                f(*args)
+    except Exception as e:  # noqa: BLE001 - a call that cannot be captured reads NaN
+        print(f"  (not captured: {type(e).__name__}: {e})"[:200], flush=True)
+        torch.cuda.synchronize()
+        return None
+    return graph
+
+
+def graph_times(f, args, calls: int = 20) -> dict:
+    """``graph_us``: do_bench's median over the replay of a graph holding one call (the L2 flush
+    and the event pair as for the call itself; the host's launch path replaced by one graph
+    launch, which the GPU runs on its own). ``graph_call_us``: the GPU's time per call of
+    ``calls`` captured calls back to back, no flush (event pair around 10 replays). NaN where
+    the call cannot be captured."""
+    from triton.testing import do_bench
+    one, many = _capture(f, args, 1), _capture(f, args, calls)
+    if one is None or many is None:
+        return {"graph_us": float("nan"), "graph_call_us": float("nan")}
+    graph_us = 1e3 * do_bench(one.replay, warmup=25, rep=100, return_mode="median")
+    many.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call = []
+    for _ in range(5):
+        start.record()
+        for _ in range(10):
+            many.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(1e3 * start.elapsed_time(end) / (10 * calls))
+    return {"graph_us": graph_us, "graph_call_us": min(per_call)}
