@@ -16,8 +16,8 @@ backend, besides the do_bench median (the measure of record):
   gcall     the GPU's own time per call, many captured calls back to back (no flush)
 Reference rows per case size: a copy moving the case's bytes (half read, half written) and a
 one-element add, which shows the fixed cost of do_bench's method on this machine. (The copy's
-graph columns do not compare: a captured ``copy_`` is a memcpy node, which ran 30-50% slower
-than the same copy launched as a kernel on the H200, session 17.)
+graph columns do not compare: a captured ``copy_`` is a memcpy node, which took 1.45-1.51x the
+time of the same copy launched as a kernel on the H200, session 17.)
 do_bench and call times are taken in ``--rounds`` turns over the backends (the least counts,
 all are printed); the profiler runs after all of them, since a profiler session slows the
 host path of the calls after it (BENCHMARKS.md, session 8).
