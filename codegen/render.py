@@ -1,4 +1,5 @@
-"""Render a lowered kernel as Triton source: the jit kernel(s) and the host launcher.
+"""Render a lowered kernel as Triton source: the jit kernel(s), and the module around them with
+the host launcher (codegen/launcher.py).
 
 The layout follows the Triton tutorials (02-fused-softmax, 05-layer-norm): one program per block
 of rows (row kernels) or per block of elements (pointwise kernels), masks on every load and
@@ -14,13 +15,13 @@ import torch
 from . import ops
 from .indexing import coalesce, flatten_index, print_expr
 from .kernel_ir import KernelIR, NotFusable, ref_id
+from .launcher import checks_indices, py_expr, render_launcher
 from .lower import COL, GATHERS, Lowering, LoweredKernel, iteration_space
 from .multipart import split
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
 COLS = sympy.Symbol("cols", integer=True, nonnegative=True)
-INDEX_LIMIT = 2**31 - 1
 
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -> str:
@@ -44,14 +45,9 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
             kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
-    launcher = _render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
+    launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, hoists)
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
-
-
-def checks_indices(ir: KernelIR) -> bool:
-    """Whether the kernel gathers by index (and asserts the indices in range)."""
-    return any(op.target in GATHERS for op in ir.ops)
 
 
 def multipart_parts(ir: KernelIR):
@@ -105,7 +101,7 @@ def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str) -> str:
     code = "\n".join("    " + ln for ln in lines)
     wrapper = f"@triton.jit\ndef _multipart_kernel(\n{sig}\n):\n{code}"
     header = _header(ir, title, f"multi-part: {len(parts)} parts")
-    launcher = _render_launcher(ir, "multipart", shapes, {"multipart": runtime}, 0)
+    launcher = render_launcher(ir, "multipart", shapes, {"multipart": runtime}, 0)
     body = "\n\n".join(sources + [wrapper])
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
 
@@ -385,7 +381,7 @@ def _row_phases(lk, stmt_lines, persistent, late):
         # drops the column masks, their selects and predicates (~2 instructions per element of
         # the FP8 quant kernels, 11-13% of their SASS); otherwise the same compare
         n = lk.shape[-1]
-        bound = _py(n) if sympy.sympify(n).is_Integer else "N"
+        bound = py_expr(n) if sympy.sympify(n).is_Integer else "N"
         lines += ["cols = tl.arange(0, RBLOCK)[None, :]", f"cmask = cols < {bound}",
                   "mask = rmask & cmask"]
         if late:
@@ -431,155 +427,3 @@ def _row_phases(lk, stmt_lines, persistent, late):
         for res, kind, acc, src in ph.reductions:
             lines.append(f"{res.name} = " + _RED_FINAL[kind].format(a=acc))
     return lines
-
-
-# ---------------------------------------------------------------------------------- launcher
-def _py(e) -> str:
-    return print_expr(sympy.sympify(e))
-
-
-def stream_bytes(ir: KernelIR, shape) -> int:
-    """Bytes per element a pointwise kernel over ``shape`` loads from inputs with as many
-    distinct elements as it has (a broadcast bias or scale is read from cache, not counted)."""
-    numel = sympy.expand(sympy.Mul(*shape))
-    total = 0
-    for v in ir.inputs:
-        distinct = sympy.Mul(*(s for s, st in zip(v.shape, v.stride) if st != 0))
-        if not v.host_scalar and sympy.expand(distinct - numel) == 0:
-            total += v.dtype.itemsize
-    return total
-
-
-def _max_offset(shape, stride):
-    return sum(((s - 1) * st for s, st in zip(shape, stride)), sympy.Integer(0))
-
-
-def _render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
-                     hoists: bool = False):
-    syms = [s.name for s in ir.symbols]
-    ins = [f"in{i}" for i in range(len(ir.inputs))]
-    # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
-    lines = [f"def launch({', '.join(['DEVICE'] + ins + syms)}):"]
-    # 0-dim CPU tensors reach a GPU kernel by value
-    spec = []       # the lean launch key: what Triton specializes each argument on
-    # the direct launch passes addresses, not tensors: for a tensor Triton's C launcher calls
-    # data_ptr() and asks the driver whether it is a device pointer (cuPointerGetAttribute),
-    # about a microsecond per argument on the H200's host; Dynamo's device guards and the
-    # allocations below already make every address a device one
-    addrs = []
-    for i, v in enumerate(ir.inputs):
-        if v.host_scalar:
-            lines.append(f"    s{i} = in{i}.item()")
-            ins[i] = f"s{i}"
-            addrs.append(f"s{i}")
-            if not v.dtype.is_floating_point and v.dtype != torch.bool:
-                spec += [f"s{i} & 15", f"s{i} == 1"]
-        else:
-            lines.append(f"    p{i} = in{i}.data_ptr()")
-            addrs.append(f"p{i}")
-            spec.append(f"p{i} & 15")
-    outs = []       # fresh allocations: always 16-byte aligned, no key part needed
-    fast, slow = [], []
-    for p, o in enumerate(ir.outputs):
-        v = ir.values[o]
-        size = f"({''.join(_py(s) + ', ' for s in v.shape)})"
-        stride = f"({''.join(_py(s) + ', ' for s in v.stride)})"
-        fast.append(f"        out{p} = empty_cuda({size}, {stride}, {v.dtype})")
-        slow.append(f"        out{p} = torch.empty_strided({size}, {stride}, dtype={v.dtype}, "
-                    f"device=DEVICE)")
-        outs.append(f"out{p}")
-    lines.append("    dev = current_device()")
-    if outs:
-        lines += ["    if FAST_ALLOC and DEVICE.index == dev:", *fast, "    else:", *slow]
-    numels = [sympy.Mul(*sh) for sh in shape] if kind == "multipart" else [sympy.Mul(*shape)]
-    extents = numels + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
-                        if not v.host_scalar]
-    extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
-    # one test per distinct extent: this runs on every call
-    dynamic = sorted({_py(sympy.expand(e)) for e in extents if not sympy.sympify(e).is_Integer})
-    static64 = any(int(e) > INDEX_LIMIT for e in extents if sympy.sympify(e).is_Integer)
-    index64 = ("True" if static64 else
-               " or ".join(f"{e} > {INDEX_LIMIT}" for e in dynamic) or "False")
-    ptrs = ins + outs
-    addrs += [f"{o}.data_ptr()" for o in outs]
-
-    def launch(name, grid, runtime, constexprs, settings, ind):
-        """Lines launching ``name``: through Triton once per key, then directly."""
-        # R is not specialized (do_not_specialize); a size fixed in the IR is the same on
-        # every call of this module, so it needs no key part. Each integer's width is in the
-        # key, as in Triton's (i32 up to 2**31 - 1, i64 past it): a kernel compiled for an i32
-        # size would be handed a wider one by the direct relaunch
-        ints = [a for a in runtime if a != "R" and a not in static]
-        wide = [a for a in runtime if a not in static]
-        key = ", ".join(["dev", *settings, "index64", *spec]
-                        + [f"{a} & 15, {a} == 1" for a in ints]
-                        + [f"{a} > 2147483647" for a in wide])
-        pos = ", ".join(addrs + runtime + constexprs)
-        kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs if c != "index64"]
-                       + ["INDEX64=index64", "num_warps=num_warps"]
-                       # debug would also check every int32 add for overflow, as Inductor's
-                       # kernels with index asserts, it asks for the asserts alone
-                       + (["sanitize_overflow=False"] if checks_indices(ir) else []))
-        pad = " " * ind
-        values = ", ".join(addrs + runtime)
-        return [f"{pad}key = ({key},)",
-                f"{pad}k = _COMPILED_{name}.get(key)",
-                f"{pad}if k is None:",
-                f"{pad}    first_launch(_COMPILED_{name}, key, _{name}_kernel, {grid}, {kw})",
-                f"{pad}elif k[0] is None:",
-                f"{pad}    launch_static(k[1], {grid}, 1, 1, k[2], k[3], k[4], ({values}, *k[5]), "
-                f"raw_stream(dev))",
-                f"{pad}else:",
-                f"{pad}    k[0]({grid}, 1, 1, raw_stream(dev), k[1], k[2], k[3], None, None, k[4], "
-                f"None, None, None, {pos})"]
-
-    if kind == "multipart":
-        sized = [(f"numel{i}", n) for i, n in enumerate(numels)]
-    else:
-        sized = [("numel", numels[0]), ("N", shape[-1] if shape else 1),
-                 ("R", sympy.Mul(*shape[:-1]) if shape else 1)]
-    static = {name for name, e in sized if sympy.sympify(e).is_Integer}
-    lines += [f"    index64 = {index64}"]
-    if kind == "multipart":
-        # every part is non-empty (iteration_space refuses empty tensors)
-        names = [f"numel{i}" for i in range(len(numels))]
-        lines += [f"    {name} = {_py(n)}" for name, n in zip(names, numels)]
-        lines += [f"    BLOCK, num_warps = pointwise_settings(max({', '.join(names)}))",
-                  "    grid = " + " + ".join(f"({n} + BLOCK - 1) // BLOCK" for n in names)]
-        lines += launch("multipart", "grid", kernels["multipart"] + names,
-                        ["BLOCK", "index64"], ["BLOCK", "num_warps"], 4)
-    elif kind == "pointwise":
-        lines += [f"    numel = {_py(sympy.Mul(*shape))}",
-                  "    if numel > 0:",
-                  f"        BLOCK, num_warps = pointwise_settings(numel, {stream_bytes(ir, shape)})",
-                  "        grid = (numel + BLOCK - 1) // BLOCK",
-                  "        EVEN = numel % BLOCK == 0"]
-        lines += launch("pointwise", "grid", kernels["pointwise"] + ["numel"],
-                        ["BLOCK", "index64", "EVEN"], ["BLOCK", "num_warps", "EVEN"], 8)
-    else:
-        lines += [f"    R = {_py(sympy.Mul(*shape[:-1]))}",
-                  f"    N = {_py(shape[-1])}",
-                  "    if R > 0:",
-                  f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block})",
-                  "        grid = (R + XBLOCK - 1) // XBLOCK"]
-        settings = ["XBLOCK", "RBLOCK", "num_warps"]
-        constexprs = ["XBLOCK", "RBLOCK", "index64"]
-
-        def persistent(ind):
-            if not hoists:
-                return launch("persistent", "grid", kernels["persistent"] + ["R", "N"],
-                              constexprs, settings, ind)
-            return [" " * ind + "HOIST = few_programs(grid)"] + launch(
-                "persistent", "grid", kernels["persistent"] + ["R", "N"],
-                constexprs + ["HOIST"], settings + ["HOIST"], ind)
-        if "looped" not in kernels:
-            lines += persistent(8)
-        elif "persistent" not in kernels:
-            lines += launch("looped", "grid", kernels["looped"] + ["R", "N"], constexprs, settings, 8)
-        else:
-            lines += ["        if looped:"] + launch("looped", "grid", kernels["looped"] + ["R", "N"],
-                                                      constexprs, settings, 12)
-            lines += ["        else:"] + persistent(12)
-    lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
-    tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)
-    return tables + "\n\n" + "\n".join(lines)

@@ -1,0 +1,178 @@
+"""Render a fused group's host launcher: the Python function its graph calls on every step.
+
+It allocates the outputs, picks the launch settings through codegen/launch.py's shared rules,
+and launches: through Triton the first time per key, then directly (``launch_static`` or the
+compiled kernel's own launcher), so a call costs microseconds. The key holds what Triton
+specializes on: pointer alignment, integer sizes' % 16, == 1 and width, the settings.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from .indexing import print_expr
+from .kernel_ir import KernelIR
+from .lower import GATHERS
+
+INDEX_LIMIT = 2**31 - 1
+
+
+def checks_indices(ir: KernelIR) -> bool:
+    """Whether the kernel gathers by index (and asserts the indices in range)."""
+    return any(op.target in GATHERS for op in ir.ops)
+
+
+def py_expr(e) -> str:
+    """A size or index expression as Python source."""
+    return print_expr(sympy.sympify(e))
+
+
+def stream_bytes(ir: KernelIR, shape) -> int:
+    """Bytes per element a pointwise kernel over ``shape`` loads from inputs with as many
+    distinct elements as it has (a broadcast bias or scale is read from cache, not counted)."""
+    numel = sympy.expand(sympy.Mul(*shape))
+    total = 0
+    for v in ir.inputs:
+        distinct = sympy.Mul(*(s for s, st in zip(v.shape, v.stride) if st != 0))
+        if not v.host_scalar and sympy.expand(distinct - numel) == 0:
+            total += v.dtype.itemsize
+    return total
+
+
+def _max_offset(shape, stride):
+    return sum(((s - 1) * st for s, st in zip(shape, stride)), sympy.Integer(0))
+
+
+def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
+                    hoists: bool = False) -> str:
+    """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
+    ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
+    ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
+    persistent row kernel has a HOIST switch, set on small grids."""
+    syms = [s.name for s in ir.symbols]
+    ins = [f"in{i}" for i in range(len(ir.inputs))]
+    # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
+    lines = [f"def launch({', '.join(['DEVICE'] + ins + syms)}):"]
+    # 0-dim CPU tensors reach a GPU kernel by value
+    spec = []       # the lean launch key: what Triton specializes each argument on
+    # the direct launch passes addresses, not tensors: for a tensor Triton's C launcher calls
+    # data_ptr() and asks the driver whether it is a device pointer (cuPointerGetAttribute),
+    # about a microsecond per argument on the H200's host; Dynamo's device guards and the
+    # allocations below already make every address a device one
+    addrs = []
+    for i, v in enumerate(ir.inputs):
+        if v.host_scalar:
+            lines.append(f"    s{i} = in{i}.item()")
+            ins[i] = f"s{i}"
+            addrs.append(f"s{i}")
+            if not v.dtype.is_floating_point and v.dtype != torch.bool:
+                spec += [f"s{i} & 15", f"s{i} == 1"]
+        else:
+            lines.append(f"    p{i} = in{i}.data_ptr()")
+            addrs.append(f"p{i}")
+            spec.append(f"p{i} & 15")
+    outs = []       # fresh allocations: always 16-byte aligned, no key part needed
+    fast, slow = [], []
+    for p, o in enumerate(ir.outputs):
+        v = ir.values[o]
+        size = f"({''.join(py_expr(s) + ', ' for s in v.shape)})"
+        stride = f"({''.join(py_expr(s) + ', ' for s in v.stride)})"
+        fast.append(f"        out{p} = empty_cuda({size}, {stride}, {v.dtype})")
+        slow.append(f"        out{p} = torch.empty_strided({size}, {stride}, dtype={v.dtype}, "
+                    f"device=DEVICE)")
+        outs.append(f"out{p}")
+    lines.append("    dev = current_device()")
+    if outs:
+        lines += ["    if FAST_ALLOC and DEVICE.index == dev:", *fast, "    else:", *slow]
+    numels = [sympy.Mul(*sh) for sh in shape] if kind == "multipart" else [sympy.Mul(*shape)]
+    extents = numels + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
+                        if not v.host_scalar]
+    extents += [_max_offset(ir.values[o].shape, ir.values[o].stride) + 1 for o in ir.outputs]
+    # one test per distinct extent: this runs on every call
+    dynamic = sorted({py_expr(sympy.expand(e)) for e in extents if not sympy.sympify(e).is_Integer})
+    static64 = any(int(e) > INDEX_LIMIT for e in extents if sympy.sympify(e).is_Integer)
+    index64 = ("True" if static64 else
+               " or ".join(f"{e} > {INDEX_LIMIT}" for e in dynamic) or "False")
+    ptrs = ins + outs
+    addrs += [f"{o}.data_ptr()" for o in outs]
+
+    def launch(name, grid, runtime, constexprs, settings, ind):
+        """Lines launching ``name``: through Triton once per key, then directly."""
+        # R is not specialized (do_not_specialize); a size fixed in the IR is the same on
+        # every call of this module, so it needs no key part. Each integer's width is in the
+        # key, as in Triton's (i32 up to 2**31 - 1, i64 past it): a kernel compiled for an i32
+        # size would be handed a wider one by the direct relaunch
+        ints = [a for a in runtime if a != "R" and a not in static]
+        wide = [a for a in runtime if a not in static]
+        key = ", ".join(["dev", *settings, "index64", *spec]
+                        + [f"{a} & 15, {a} == 1" for a in ints]
+                        + [f"{a} > 2147483647" for a in wide])
+        pos = ", ".join(addrs + runtime + constexprs)
+        kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs if c != "index64"]
+                       + ["INDEX64=index64", "num_warps=num_warps"]
+                       # debug would also check every int32 add for overflow, as Inductor's
+                       # kernels with index asserts, it asks for the asserts alone
+                       + (["sanitize_overflow=False"] if checks_indices(ir) else []))
+        pad = " " * ind
+        values = ", ".join(addrs + runtime)
+        return [f"{pad}key = ({key},)",
+                f"{pad}k = _COMPILED_{name}.get(key)",
+                f"{pad}if k is None:",
+                f"{pad}    first_launch(_COMPILED_{name}, key, _{name}_kernel, {grid}, {kw})",
+                f"{pad}elif k[0] is None:",
+                f"{pad}    launch_static(k[1], {grid}, 1, 1, k[2], k[3], k[4], ({values}, *k[5]), "
+                f"raw_stream(dev))",
+                f"{pad}else:",
+                f"{pad}    k[0]({grid}, 1, 1, raw_stream(dev), k[1], k[2], k[3], None, None, k[4], "
+                f"None, None, None, {pos})"]
+
+    if kind == "multipart":
+        sized = [(f"numel{i}", n) for i, n in enumerate(numels)]
+    else:
+        sized = [("numel", numels[0]), ("N", shape[-1] if shape else 1),
+                 ("R", sympy.Mul(*shape[:-1]) if shape else 1)]
+    static = {name for name, e in sized if sympy.sympify(e).is_Integer}
+    lines += [f"    index64 = {index64}"]
+    if kind == "multipart":
+        # every part is non-empty (iteration_space refuses empty tensors)
+        names = [f"numel{i}" for i in range(len(numels))]
+        lines += [f"    {name} = {py_expr(n)}" for name, n in zip(names, numels)]
+        lines += [f"    BLOCK, num_warps = pointwise_settings(max({', '.join(names)}))",
+                  "    grid = " + " + ".join(f"({n} + BLOCK - 1) // BLOCK" for n in names)]
+        lines += launch("multipart", "grid", kernels["multipart"] + names,
+                        ["BLOCK", "index64"], ["BLOCK", "num_warps"], 4)
+    elif kind == "pointwise":
+        lines += [f"    numel = {py_expr(sympy.Mul(*shape))}",
+                  "    if numel > 0:",
+                  f"        BLOCK, num_warps = pointwise_settings(numel, {stream_bytes(ir, shape)})",
+                  "        grid = (numel + BLOCK - 1) // BLOCK",
+                  "        EVEN = numel % BLOCK == 0"]
+        lines += launch("pointwise", "grid", kernels["pointwise"] + ["numel"],
+                        ["BLOCK", "index64", "EVEN"], ["BLOCK", "num_warps", "EVEN"], 8)
+    else:
+        lines += [f"    R = {py_expr(sympy.Mul(*shape[:-1]))}",
+                  f"    N = {py_expr(shape[-1])}",
+                  "    if R > 0:",
+                  f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block})",
+                  "        grid = (R + XBLOCK - 1) // XBLOCK"]
+        settings = ["XBLOCK", "RBLOCK", "num_warps"]
+        constexprs = ["XBLOCK", "RBLOCK", "index64"]
+
+        def persistent(ind):
+            if not hoists:
+                return launch("persistent", "grid", kernels["persistent"] + ["R", "N"],
+                              constexprs, settings, ind)
+            return [" " * ind + "HOIST = few_programs(grid)"] + launch(
+                "persistent", "grid", kernels["persistent"] + ["R", "N"],
+                constexprs + ["HOIST"], settings + ["HOIST"], ind)
+        if "looped" not in kernels:
+            lines += persistent(8)
+        elif "persistent" not in kernels:
+            lines += launch("looped", "grid", kernels["looped"] + ["R", "N"], constexprs, settings, 8)
+        else:
+            lines += ["        if looped:"] + launch("looped", "grid", kernels["looped"] + ["R", "N"],
+                                                      constexprs, settings, 12)
+            lines += ["        else:"] + persistent(12)
+    lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
+    tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)
+    return tables + "\n\n" + "\n".join(lines)
