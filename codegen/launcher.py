@@ -12,7 +12,7 @@ import torch
 
 from .indexing import print_expr
 from .kernel_ir import KernelIR
-from .lower import GATHERS
+from .lowered import GATHERS
 
 INDEX_LIMIT = 2**31 - 1
 

@@ -16,7 +16,8 @@ from . import ops
 from .indexing import coalesce, flatten_index, print_expr
 from .kernel_ir import KernelIR, NotFusable, ref_id
 from .launcher import checks_indices, py_expr, render_launcher
-from .lower import COL, GATHERS, Lowering, LoweredKernel, iteration_space
+from .lower import Lowering, iteration_space
+from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
