@@ -11,7 +11,9 @@ median counts. That did not cure everything: in turns too, the first cases of a 
 20-115 us for every backend, eager included, for about a minute (sessions 7 and 8). That is
 Inductor's pool of compile worker processes starting (one per CPU core, each importing torch)
 beside the timing; Inductor compiles in this process instead here
-(TORCHINDUCTOR_COMPILE_THREADS=1): the kernels it makes are the same.
+(TORCHINDUCTOR_COMPILE_THREADS=1): the kernels it makes are the same. From 4096 rows the
+backends are timed in two turns, the second in reverse order, and the least median counts: a
+backend timed right after eager's long run read up to 2 points of the floor low (session 17).
 """
 import argparse
 import json
@@ -71,7 +73,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="*", default=[M])
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--rounds", type=int, default=3, help="timing turns below 4096 rows")
+    ap.add_argument("--rounds", type=int, default=3, help="timing turns below 4096 rows (from 4096: two)")
     ap.add_argument("--busy", type=float, default=0.0,
                     help="seconds of GPU work before each case's timing (default 0)")
     a = ap.parse_args()
@@ -94,11 +96,12 @@ def main():
                 torch.cuda.synchronize()
                 row[f"{backend}_first_call_s"] = time.time() - t0
                 compiled[backend] = f
-            rounds = 1 if m >= 4096 else a.rounds
+            rounds = 2 if m >= 4096 else a.rounds
             busy(a.busy)
             for r in range(rounds):            # in turns: host noise spread over all three
-                for backend, f in compiled.items():
-                    ms = bench(f, args, rep=200 if rounds == 1 else 100)
+                order = list(compiled.items())
+                for backend, f in (order[::-1] if r % 2 else order):
+                    ms = bench(f, args, rep=200 if m >= 4096 else 100)
                     row.setdefault(f"{backend}_rounds_ms", []).append(ms)
             for backend in compiled:
                 row[f"{backend}_ms"] = min(row[f"{backend}_rounds_ms"])

@@ -18,9 +18,9 @@ Reference rows per case size: a copy moving the case's bytes (half read, half wr
 one-element add, which shows the fixed cost of do_bench's method on this machine. (The copy's
 graph columns do not compare: a captured ``copy_`` is a memcpy node, which took 1.45-1.51x the
 time of the same copy launched as a kernel on the H200, session 17.)
-do_bench and call times are taken in ``--rounds`` turns over the backends (the least counts,
-all are printed); the profiler runs after all of them, since a profiler session slows the
-host path of the calls after it (BENCHMARKS.md, session 8).
+do_bench and call times are taken in ``--rounds`` turns over the backends, every other turn in
+reverse order (the least counts, all are printed); the profiler runs after all of them, since a
+profiler session slows the host path of the calls after it (BENCHMARKS.md, session 8).
 """
 import argparse
 import json
@@ -100,8 +100,8 @@ def main():
             entries.append((backend, f, args))
         entries += references(nbytes)
         results = {label: {"do_bench_us": [], "call_us": []} for label, _, _ in entries}
-        for _ in range(a.rounds):
-            for label, f, fargs in entries:
+        for r in range(a.rounds):       # every other round in reverse (variants.in_turn)
+            for label, f, fargs in (entries[::-1] if r % 2 else entries):
                 results[label]["do_bench_us"].append(
                     1e3 * do_bench(lambda: f(*fargs), warmup=25, rep=100, return_mode="median"))
                 results[label]["call_us"].append(call_us(f, fargs))

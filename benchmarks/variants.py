@@ -299,6 +299,12 @@ VARIANTS = {
 }
 
 
+def in_turn(timed: dict, r: int) -> list:
+    """The (label, callable) pairs of round ``r``: in order, every other round reversed."""
+    items = list(timed.items())
+    return items[::-1] if r % 2 else items
+
+
 def load_module(source: str, name: str, folder: Path):
     path = folder / f"{name}.py"
     path.write_text(source)
@@ -396,13 +402,16 @@ def main():
                 row.setdefault("failed", {})[vname] = f"{type(e).__name__}: {e}"[:300]
                 print(f"  {name} / {vname}: failed: {e}"[:300], flush=True)
         best = {}
-        for _ in range(a.rounds):       # interleaved rounds: a drift hits every label alike
-            for label, f in timed.items():
+        # interleaved rounds, a drift hits every label alike; every other round in reverse, so
+        # that no label always comes right after eager's long run (in session 17 the label
+        # timed there read 1.2-2.0 points of the floor under the same kernel timed later)
+        for r in range(a.rounds):
+            for label, f in in_turn(timed, r):
                 ms = do_bench(f, warmup=25, rep=200, return_mode="median")
                 best[label] = min(best.get(label, ms), ms)
         kernel_us = {}
-        for _ in range(a.rounds if a.kernel_time else 0):
-            for label, f in timed.items():
+        for r in range(a.rounds if a.kernel_time else 0):
+            for label, f in in_turn(timed, r):
                 us = kernel_times(lambda f=f: f(), ())["kernel_us"]
                 kernel_us[label] = min(kernel_us.get(label, us), us)
         for label, ms in best.items():
