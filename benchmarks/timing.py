@@ -103,8 +103,8 @@ def graph_times(f, args, calls: int = 20) -> dict:
     """``graph_us``: do_bench's median over the replay of a graph holding one call (the L2 flush
     and the event pair as for the call itself; the host's launch path replaced by one graph
     launch, which the GPU runs on its own). ``graph_call_us``: the GPU's time per call of
-    ``calls`` captured calls back to back, no flush (event pair around 10 replays). NaN where
-    the call cannot be captured."""
+    ``calls`` captured calls back to back, no flush (the least of 5 event pairs, each around
+    10 replays). NaN where the call cannot be captured."""
     from triton.testing import do_bench
     one, many = _capture(f, args, 1), _capture(f, args, calls)
     if one is None or many is None:
