@@ -52,8 +52,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             launch.__name__ = launch.__qualname__ = "launch"     # FX names call targets
             launch.__module__ = module.__name__
             ctx.launchers[g.id] = launch
+        members = sorted(g.members, key=g.nodes.index)    # graph order: a set's is not fixed
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
-                            "ops": [str(n.target) for n in g.members], "runs": runs})
+                            "ops": [str(n.target) for n in members], "runs": runs})
     if LEAN and ctx.config.compile_threads > 0:
         started = time.perf_counter()
         _compile_kernels(ctx)
