@@ -138,7 +138,8 @@ def _write_stdout(text: str) -> None:
 
 def dump(args) -> str:
     """The dump of ``args.target`` in ``args.format``."""
-    from .dump_format import RENDERERS
+    from .dump_format import render_table
+    from .dump_graphics import render_dot, render_html
 
     profile = _check_options(args)
     with _target_imports(), contextlib.redirect_stdout(sys.stderr):   # stdout: the dump only
@@ -151,7 +152,7 @@ def dump(args) -> str:
     doc = document(args.target, where, options, kwargs, summaries)
     if args.format == "json":
         return json.dumps(doc, indent=2, allow_nan=False) + "\n"
-    return RENDERERS[args.format](doc)
+    return {"table": render_table, "dot": render_dot, "html": render_html}[args.format](doc)
 
 
 def _check_options(args) -> str:
