@@ -257,6 +257,7 @@ def with_workers(by_kernel: dict, run, target, threads: int, pool, counts: dict)
     workers = pool.started()
     jobs = collections.deque(by_kernel.items())
     lock = threading.Lock()
+    where = (target.backend, target.arch, target.warp_size)
 
     def take():
         with lock:
@@ -270,7 +271,6 @@ def with_workers(by_kernel: dict, run, target, threads: int, pool, counts: dict)
             kernel, kernel_calls = job
             path = kernel.fn.__code__.co_filename
             try:
-                where = (target.backend, target.arch, target.warp_size)
                 requests = [(path, kernel.fn.__name__,
                              *bind_for_target(kernel, args, kwargs, target), where)
                             for _, _, args, kwargs in kernel_calls]

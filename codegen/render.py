@@ -32,7 +32,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
         return _generate_multipart(ir, parts, hints, title)
     kind, shape = iteration_space(ir)
     kernels = []
-    hoists = False          # a persistent kernel with loads after its reduction (HOIST)
+    late = []               # a persistent kernel's loads after its reduction (HOIST)
     if kind == "pointwise":
         kernels.append(("pointwise", _render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
@@ -40,14 +40,14 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
         fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
         if not n.is_Integer or fits:
             lk = Lowering(ir, hints, True).run()
-            hoists = bool(_late_loads(lk))
-            kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel")))
+            late = _late_loads(lk)
+            kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
         if not fits:
             kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
-                                max_persistent_block, hoists)
+                                max_persistent_block, bool(late))
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
 
 
@@ -140,10 +140,10 @@ def _header(ir, title, kind):
 
 
 # ---------------------------------------------------------------------------------- kernel
-def _render_kernel(lk: LoweredKernel, name: str, part: bool = False):
-    """Source of one @triton.jit kernel and the names of its runtime size arguments."""
+def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
+    """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
+    a persistent kernel's loads written twice, under its HOIST switch (``_late_loads``)."""
     row = lk.kind == "row"
-    late = _late_loads(lk) if name == "_persistent_kernel" else []      # written twice: HOIST
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in _all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | _select_preds(lk)
     exprs += list(preds)
