@@ -12,7 +12,7 @@
 #              kernels' own time and the time per call back to back (do_bench alone cannot rank
 #              cases this small: its event timer moves in steps of about 0.5 us, BENCHMARKS.md)
 #   patterns   patterns at 16384 rows
-#   variants   benchmarks/variants.py with $VARIANTS_ARGS
+#   variants   benchmarks/variants.py with $VARIANTS_ARGS (time limit $VARIANTS_LIMIT s, 150)
 #   models     `bench` on $MODELS
 #   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS
 #   profile    where fusion's cold compile of $PROFILE_TARGET spends its main thread's time
@@ -62,7 +62,7 @@ for s in $STEPS; do
         --out $OUT/split_small.json 2>&1 | $quiet" ;;
     patterns) step patterns 120 "python3 benchmarks/patterns.py --rows 16384 \
         --out $OUT/patterns.json 2>&1 | $quiet" ;;
-    variants) step variants 150 "python3 benchmarks/variants.py --rounds 3 --out /tmp/variants \
+    variants) step variants ${VARIANTS_LIMIT:-150} "python3 benchmarks/variants.py --rounds 3 --out /tmp/variants \
         ${VARIANTS_ARGS:-} 2>&1 | $quiet" ;;
     models) step models 240 "fusion-compiler bench $MODELS --compare eager,inductor,fusion \
         -o $OUT/models.json 2>&1 | $quiet" ;;
