@@ -19,6 +19,7 @@ from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
+from .statements import all_stores, late_loads, loads_first, select_preds, store_value
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
@@ -40,7 +41,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
         fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
         if not n.is_Integer or fits:
             lk = Lowering(ir, hints, True).run()
-            late = _late_loads(lk)
+            late = late_loads(lk)
             kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
         if not fits:
             kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
@@ -142,10 +143,10 @@ def _header(ir, title, kind):
 # ---------------------------------------------------------------------------------- kernel
 def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
     """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
-    a persistent kernel's loads written twice, under its HOIST switch (``_late_loads``)."""
+    a persistent kernel's loads written twice, under its HOIST switch (``late_loads``)."""
     row = lk.kind == "row"
-    exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in _all_stores(lk)]
-    preds = {p for _, _, _, ps in lk.loads for p in ps} | _select_preds(lk)
+    exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
+    preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
     exprs += list(preds)
     syms = lk.iter_syms[:-1] if row else lk.iter_syms
     sizes = list(lk.shape[:-1]) if row else list(lk.shape)
@@ -210,7 +211,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
         want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
         dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
-        value = _store_value(var.name, defs.get(var.name, ""), dtype)
+        value = store_value(var.name, defs.get(var.name, ""), dtype)
         return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask_of(want, ())})"]
 
     defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
@@ -261,7 +262,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
                       "    xmask = tl.full([BLOCK], True, tl.int1)",
                       "else:",
                       "    xmask = xindex < numel"]
-        for stmt in _loads_first(lk.phases[0].outer + lk.phases[0].body):
+        for stmt in loads_first(lk.phases[0].outer + lk.phases[0].body):
             lines += stmt_lines(stmt)
     code = "\n".join("    " + ln for ln in lines)
     size_args = sorted({m for m in re.findall(r"\bk\d+\b", code)}, key=lambda s: int(s[1:]))
@@ -286,86 +287,6 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
     deco = f"@triton.jit({', '.join(options)})" if options else "@triton.jit"
     src = f"{deco}\ndef {name}(\n{sig}\n):\n{code}"
     return src, size_args
-
-
-def _direct_loads(stmts: list, regs: set) -> list:
-    """The loads among ``stmts`` addressed by the block's indices alone, not through a register
-    of ``regs`` (a loaded index)."""
-    def direct(st):
-        if st[0] != "load":
-            return False
-        names = {s.name for e in (st[3], *st[4]) for s in sympy.sympify(e).free_symbols}
-        return not names & regs
-    return [st for st in stmts if direct(st)]
-
-
-def _registers(stmts) -> set:
-    return {st[1].name for st in stmts if st[0] in ("load", "assign", "select")}
-
-
-def _loads_first(stmts: list) -> list:
-    """A pointwise body with its direct loads (addressed by the block's indices alone, not by
-    a loaded index) first, the rest in order: every input is requested before any arithmetic
-    waits on one, as Inductor's kernels do."""
-    first = _direct_loads(stmts, _registers(stmts))
-    moved = {id(st) for st in first}
-    return first + [st for st in stmts if id(st) not in moved]
-
-
-def _late_loads(lk) -> list:
-    """The direct loads of a persistent row kernel that come after its first reduction (a norm's
-    weight row, a scale): issued where they are, each waits on memory after the reduction.
-    With ``HOIST`` set, the kernel issues them before it instead (see ``_row_phases``)."""
-    if not lk.phases or not lk.phases[0].reductions:
-        return []
-    stmts = [st for ph in lk.phases for st in ph.outer + ph.body]
-    later = [st for ph in lk.phases[1:] for st in ph.outer + ph.body]
-    return _direct_loads(later, _registers(stmts))
-
-
-_STORE_FN = {torch.bfloat16: ("fl.round_bf16(", "fl.store_bf16("),
-             torch.float8_e4m3fn: ("fl.round_fp8e4m3(", "fl.store_fp8e4m3(")}
-
-
-def _store_value(name: str, definition: str, dtype) -> str:
-    """The value to store for register ``name`` of ``dtype``. A value that was just rounded to
-    its storage type is stored from the unrounded expression, so the kernel converts once."""
-    if dtype in _STORE_FN:
-        round_fn, store_fn = _STORE_FN[dtype]
-        if definition.startswith(round_fn) and _call_spans(definition, len(round_fn) - 1):
-            return store_fn + definition[len(round_fn):]
-        if dtype == torch.float8_e4m3fn:
-            return f"{store_fn}{name}, {ops.FP8_SATURATES})"
-        return f"{store_fn}{name})"
-    return f"{name}.to({ops.TL_DTYPE[dtype]})"
-
-
-def _call_spans(expr: str, open_at: int) -> bool:
-    """True if the parenthesis at ``open_at`` closes at the end of ``expr``."""
-    depth = 0
-    for i in range(open_at, len(expr)):
-        depth += {"(": 1, ")": -1}.get(expr[i], 0)
-        if depth == 0:
-            return i == len(expr) - 1
-    return False
-
-
-def _all_stores(lk):
-    for ph in lk.phases:
-        for s in ph.outer + ph.body:
-            if s[0] == "store":
-                yield s
-    yield from (s for s in lk.tail if s[0] == "store")
-
-
-def _select_preds(lk):
-    preds = set()
-    for ph in lk.phases:
-        for s in ph.outer + ph.body:
-            if s[0] == "select":
-                for pred_set, _ in s[2]:
-                    preds |= set(pred_set)
-    return preds
 
 
 _RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}

@@ -1,0 +1,91 @@
+"""A lowered kernel's statements, as the renderer orders and stores them: which loads a kernel
+issues first (those addressed by the block's indices alone), which a persistent row kernel
+issues before its first reduction under ``HOIST``, and the value each store writes.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from . import ops
+
+
+def direct_loads(stmts: list, regs: set) -> list:
+    """The loads among ``stmts`` addressed by the block's indices alone, not through a register
+    of ``regs`` (a loaded index)."""
+    def direct(st):
+        if st[0] != "load":
+            return False
+        names = {s.name for e in (st[3], *st[4]) for s in sympy.sympify(e).free_symbols}
+        return not names & regs
+    return [st for st in stmts if direct(st)]
+
+
+def registers(stmts) -> set:
+    """The register names ``stmts`` define."""
+    return {st[1].name for st in stmts if st[0] in ("load", "assign", "select")}
+
+
+def loads_first(stmts: list) -> list:
+    """A pointwise body with its direct loads (addressed by the block's indices alone, not by
+    a loaded index) first, the rest in order: every input is requested before any arithmetic
+    waits on one, as Inductor's kernels do."""
+    first = direct_loads(stmts, registers(stmts))
+    moved = {id(st) for st in first}
+    return first + [st for st in stmts if id(st) not in moved]
+
+
+def late_loads(lk) -> list:
+    """The direct loads of a persistent row kernel that come after its first reduction (a norm's
+    weight row, a scale): issued where they are, each waits on memory after the reduction.
+    With ``HOIST`` set, the kernel issues them before it instead (render.py, ``_row_phases``)."""
+    if not lk.phases or not lk.phases[0].reductions:
+        return []
+    stmts = [st for ph in lk.phases for st in ph.outer + ph.body]
+    later = [st for ph in lk.phases[1:] for st in ph.outer + ph.body]
+    return direct_loads(later, registers(stmts))
+
+
+_STORE_FN = {torch.bfloat16: ("fl.round_bf16(", "fl.store_bf16("),
+             torch.float8_e4m3fn: ("fl.round_fp8e4m3(", "fl.store_fp8e4m3(")}
+
+
+def store_value(name: str, definition: str, dtype) -> str:
+    """The value to store for register ``name`` of ``dtype``. A value that was just rounded to
+    its storage type is stored from the unrounded expression, so the kernel converts once."""
+    if dtype in _STORE_FN:
+        round_fn, store_fn = _STORE_FN[dtype]
+        if definition.startswith(round_fn) and _call_spans(definition, len(round_fn) - 1):
+            return store_fn + definition[len(round_fn):]
+        if dtype == torch.float8_e4m3fn:
+            return f"{store_fn}{name}, {ops.FP8_SATURATES})"
+        return f"{store_fn}{name})"
+    return f"{name}.to({ops.TL_DTYPE[dtype]})"
+
+
+def _call_spans(expr: str, open_at: int) -> bool:
+    """True if the parenthesis at ``open_at`` closes at the end of ``expr``."""
+    depth = 0
+    for i in range(open_at, len(expr)):
+        depth += {"(": 1, ")": -1}.get(expr[i], 0)
+        if depth == 0:
+            return i == len(expr) - 1
+    return False
+
+
+def all_stores(lk):
+    for ph in lk.phases:
+        for s in ph.outer + ph.body:
+            if s[0] == "store":
+                yield s
+    yield from (s for s in lk.tail if s[0] == "store")
+
+
+def select_preds(lk):
+    preds = set()
+    for ph in lk.phases:
+        for s in ph.outer + ph.body:
+            if s[0] == "select":
+                for pred_set, _ in s[2]:
+                    preds |= set(pred_set)
+    return preds
