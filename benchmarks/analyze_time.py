@@ -31,7 +31,7 @@ def main() -> int:
 
     from fusion_compiler import backend as B
     from fusion_compiler.config import Config
-    from fusion_compiler.passes import fuse, pipeline
+    from fusion_compiler.passes import legality, pipeline
 
     graph = inference_graph(a.target)
     times = []
@@ -39,7 +39,7 @@ def main() -> int:
         os.environ["FUSION_COMPILER_CACHE_DIR"] = tempfile.mkdtemp()
         gm = copy.deepcopy(graph)
         ctx = B.make_context(Config.from_env(), "inference", gm)
-        fuse._LOWERED.clear()
+        legality._LOWERED.clear()
         gc.collect()
         gc.disable()            # the collector's pauses are not the passes' work
         started = time.perf_counter()

@@ -32,44 +32,10 @@ from collections import defaultdict
 import networkx as nx
 import torch
 
-from ..codegen.kernel_ir import NotFusable, build_kernel_ir, canonical_hints
-from ..codegen.lower import Lowering
-from ..codegen.render import multipart_parts
-from . import decision_cache
-from .classify import OpKind
-from .groups import DATA, FusionGroup, GraphView, analyze, charge_parts
-
-def check_legal(group: FusionGroup, ctx) -> None:
-    """Raise NotFusable unless the code generator can make one kernel of ``group``."""
-    if group.n_ops > ctx.config.max_group_ops:
-        raise NotFusable(f"group would hold {group.n_ops} ops (max_group_ops="
-                         f"{ctx.config.max_group_ops})")
-    if not group.outputs:
-        raise NotFusable("group has no outputs")
-    ir, syms = build_kernel_ir(group.nodes, group.inputs, group.outputs)
-    hints = canonical_hints(syms, ir, ctx.size_hints)
-    # the IR text is canonical (node and symbol names renamed): the same candidate in every
-    # layer of a model is lowered once
-    key = (ir.text(), tuple(sorted((str(k), v) for k, v in hints.items())))
-    verdict = _LOWERED.get(key)
-    if verdict is None:
-        try:
-            parts = multipart_parts(ir)     # independent pointwise parts of different shapes
-            for sub in ([ir] if parts is None else [sub for sub, _, _ in parts]):
-                Lowering(sub, hints, persistent=True).run()
-            verdict = ""
-        except NotFusable as exc:
-            verdict = str(exc) or "not fusable"
-        if len(_LOWERED) > 4096:
-            _LOWERED.clear()
-        _LOWERED[key] = verdict
-    if verdict:
-        raise NotFusable(verdict)
-    group.ir, group.graph_symbols = ir, syms
-
-
-_LOWERED: dict = {}     # (IR text, hints) -> "" if it lowers, else why not (this process)
-
+from ..codegen.kernel_ir import NotFusable, build_kernel_ir
+from . import decision_cache, recompute
+from .groups import FusionGroup, GraphView, analyze, charge_parts
+from .legality import check_legal
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -146,7 +112,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if key in tried_recompute:
             return
         tried_recompute.add(key)
-        cand = _recompute_candidate(groups, p, succ[p], view, ctx)
+        cand = recompute.candidate(groups, p, succ[p], view, ctx)
         if cand is not None:
             heapq.heappush(heap, (-cand[0], next(seq), (p, tuple(sorted(succ[p]))), cand[1]))
 
@@ -161,8 +127,8 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if isinstance(c, tuple):     # recompute p inside each of its consumer groups c
             if p not in groups or any(x not in groups for x in c) or set(c) != succ[p]:
                 continue
-            next_id, new_ids = _apply_recompute(p, c, merged, groups, group_of, succ, pred, unit,
-                                                next_id, ctx, -neg_score, view)
+            next_id, new_ids = recompute.apply(p, c, merged, groups, group_of, succ, pred, unit,
+                                               next_id, ctx, -neg_score, view)
             for m in new_ids:
                 for x in succ[m]:
                     push(m, x)
@@ -201,7 +167,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             push_recompute(x)
         push_recompute(m)
     _horizontal(groups, group_of, unit, view, ctx, next_id)
-    _expose_recompute_inputs(groups, view, ctx)
+    recompute.expose_inputs(groups, view, ctx)
     for g in groups.values():
         if g.ir is None:
             try:
@@ -214,22 +180,6 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     ctx.groups = sorted(groups.values(), key=lambda g: view.order[g.nodes[-1]])
     ctx.recomputed_anywhere = set(view.recomputed_anywhere)
     return gm
-
-
-def _expose_recompute_inputs(groups, view, ctx):
-    """A recomputed op reads its operands in every group that computes it: an operand that is a
-    member of another group must be written by that group, though its own consumers are inside."""
-    containing = defaultdict(set)
-    for g in groups.values():
-        for n in g.members:
-            containing[n].add(g.id)
-    for g in groups.values():
-        extra = frozenset(m for m in g.members - g.recomputed for c in view.consumers(m)
-                          if any(m not in groups[h].members for h in containing.get(c, ())))
-        if extra - set(g.outputs):
-            g.extra_outputs = extra
-            g.ir = None         # outputs changed: legality is checked again
-            analyze(g, view, ctx)
 
 
 def _horizontal(groups, group_of, unit, view, ctx, next_id):
@@ -298,90 +248,6 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         nx.relabel_nodes(unit, {a: merged.id, b: merged.id}, copy=False)
         del groups[a], groups[b]
         groups[merged.id] = merged
-
-
-def _recompute_candidate(groups, p, consumers, view, ctx):
-    """(score, [consumer u p ...]) for computing producer ``p`` again inside each consumer
-    group instead of writing its result, or None when that is not possible or does not pay.
-
-    Possible when p has no reduction (a reduction is never duplicated), at least two consumer
-    groups, and nothing else reads it (no ATen op, no graph output), and p holds no ops that
-    are recomputed already: recomputing again what was recomputed makes chains (a residual
-    stream x1 = x0 + a0, x2 = x1 + a1, ...: each step saves a launch, and each layer's kernels
-    end up reading every earlier layer's output; Llama 1 x 128 on the H200 with a calibrated
-    profile: its 16 RMSNorm kernels measured 4.8 us at the first and 9.3 us at the last)."""
-    if len(consumers) < 2:
-        return None
-    prod = groups[p]
-    if any(view.kind[n] is OpKind.REDUCTION for n in prod.members):
-        return None
-    for m in prod.outputs:
-        if any(view.kind.get(c) not in DATA for c in view.consumers(m)):
-            return None
-    merged = [analyze(FusionGroup(-1, groups[c].members | prod.members,
-                                  recomputed=groups[c].recomputed | prod.members), view, ctx)
-              for c in sorted(consumers)]
-    score = prod.cost.time + sum(groups[c].cost.time for c in consumers) - sum(
-        g.cost.time for g in merged)
-    if score <= 0 or prod.recomputed:
-        ctx.decisions.append({
-            "producer": sorted(n.name for n in prod.members),
-            "consumer": sorted(n.name for c in consumers for n in groups[c].members),
-            "score_us": score * 1e6, "taken": False, "kind": "recompute",
-            "bytes_before": prod.cost.bytes + sum(groups[c].cost.bytes for c in consumers),
-            "bytes_after": sum(g.cost.bytes for g in merged),
-            "reason": ("holds recomputed ops: recomputing them again would make chains"
-                       if score > 0 else
-                       "unprofitable: recomputing in every consumer moves more than it saves")})
-        return None
-    return score, merged
-
-
-def _apply_recompute(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx,
-                     score, view):
-    """Replace producer group p by a copy of its ops inside each consumer (if all are legal)."""
-    prod = groups[p]
-    try:
-        for g in merged:
-            check_legal(g, ctx)
-    except NotFusable as exc:
-        ctx.decisions.append(_recompute_decision(prod, consumers, groups, merged, score, False,
-                                                 str(exc)))
-        return next_id, []
-    ctx.decisions.append(_recompute_decision(prod, consumers, groups, merged, score, True,
-                                             "recomputed in each consumer"))
-    view.recomputed_anywhere |= prod.members
-    producers = pred.pop(p, set())
-    succ.pop(p)
-    for x in producers:
-        succ[x].discard(p)
-    unit_preds = list(unit.predecessors(p))
-    unit.remove_node(p)
-    for c, g in zip(consumers, merged):
-        g.id = next_id
-        next_id += 1
-        for n in g.members:
-            group_of[n] = g.id
-        nx.relabel_nodes(unit, {c: g.id}, copy=False)
-        unit.add_edges_from((u, g.id) for u in unit_preds)
-        del groups[c]
-        groups[g.id] = g
-        succ[g.id] = succ.pop(c, set())
-        pred[g.id] = (pred.pop(c) - {p}) | producers
-        for x in succ[g.id]:
-            pred[x] = (pred[x] - {c}) | {g.id}
-        for x in pred[g.id]:
-            succ[x] = (succ[x] - {c}) | {g.id}
-    del groups[p]
-    return next_id, [g.id for g in merged]
-
-
-def _recompute_decision(prod, consumers, groups, merged, score, taken, reason):
-    return {"producer": sorted(n.name for n in prod.members),
-            "consumer": sorted(n.name for c in consumers for n in groups[c].members),
-            "score_us": score * 1e6, "kind": "recompute",
-            "bytes_before": prod.cost.bytes + sum(groups[c].cost.bytes for c in consumers),
-            "bytes_after": sum(g.cost.bytes for g in merged), "taken": taken, "reason": reason}
 
 
 def _decision(p, c, merged, score, taken, reason):

@@ -960,7 +960,7 @@ def _zero_dim_extra_output(x, s):
 
 
 # Fixed: a producer recomputed in another kernel made its group write an extra output
-# (fuse._expose_recompute_inputs); the group could then no longer be one kernel (outputs of
+# (recompute.expose_inputs); the group could then no longer be one kernel (outputs of
 # shapes (41, 7) and (7, 41); a 0-dim output next to a row reduction), was not generated, and
 # all its ops ran on ATen.
 @pytest.mark.parametrize("fn", [_two_shapes, _zero_dim_extra_output])
