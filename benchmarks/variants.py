@@ -337,6 +337,8 @@ VARIANTS = {
         # 72 registers (7 blocks of 128 threads an SM, 132 SMs); 64: 8 blocks, no spills
         "prefetch 924": [prefetch(924)],
         "prefetch 1056, maxnreg 64": [prefetch(1056), maxnreg(64)],
+        "prefetch 8192": [prefetch(8192)],
+        "prefetch 8192, maxnreg 64": [prefetch(8192), maxnreg(64)],
         "no sum (not a candidate)": [NO_SUM],
     },
     "rmsnorm_dynamic_fp8": {
@@ -364,6 +366,10 @@ VARIANTS = {
         "prefetch 924": [prefetch(924)],
         "prefetch 1056, maxnreg 64": [prefetch(1056), maxnreg(64)],
         "prefetch 792, weight held": [prefetch(792, hoist=True)],
+        # not persistent: 2 (4) rows a program, the second loaded while the first reduces
+        "prefetch 8192": [prefetch(8192)],
+        "prefetch 4096": [prefetch(4096)],
+        "prefetch 8192, maxnreg 64": [prefetch(8192), maxnreg(64)],
         "no amax (not a candidate)": [NO_AMAX],
         "no sum, no amax (not a candidate)": [NO_SUM, NO_AMAX],
     },
