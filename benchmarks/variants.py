@@ -319,9 +319,13 @@ VARIANTS = {
     "add_rmsnorm": {
         "w4": [rows(1, 4)],
         "store early": [store_early],
+        # 64 registers, 8 blocks of 128 threads an SM; held to 56 (9 blocks): 4 spilled values
+        "maxnreg 56": [maxnreg(56)],
     },
     "add_layernorm": {
         "store early": [store_early],
+        # 69 registers, 7 blocks of 128 threads an SM; held to 64: 8 blocks, no spills (CPU)
+        "maxnreg 64": [maxnreg(64)],
     },
     "rmsnorm_fp8": {
         # session 17, kernel time (us) at 16384 rows. Call 1: generated 49.49, x kept bf16
