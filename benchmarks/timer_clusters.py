@@ -11,8 +11,10 @@ no flush. For each: median, mean, the 10% quantile, the share of readings more t
 above it (``upper``), how often a reading falls on the same side as the one before
 (``lag1_same``), the first 100 as a string (u: upper), and the period in time, from each
 call's start on the GPU, at which the upper readings recur most regularly (``period_us``,
-with its strength from 0 to 1). A pattern that repeats in time for every kernel, eager
-included, is the machine's, not a kernel's.
+with its strength from 0 to 1). A pattern that every kernel shows, eager's included, is the
+machine's, not a kernel's. Without a flush the host can fall behind a 50 us kernel, and a
+reading then holds host time too: fusion's read 50.8 us in one run and 73.4 in another on the
+same kernel (session 18).
 """
 import argparse
 import json
