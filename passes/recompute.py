@@ -62,19 +62,17 @@ def candidate(groups, p, consumers, view, ctx):
     return score, merged
 
 
-def apply(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx,
-                     score, view):
+def apply(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx, score, view):
     """Replace producer group p by a copy of its ops inside each consumer (if all are legal)."""
     prod = groups[p]
     try:
         for g in merged:
             check_legal(g, ctx)
     except NotFusable as exc:
-        ctx.decisions.append(decision(prod, consumers, groups, merged, score, False,
-                                                 str(exc)))
+        ctx.decisions.append(decision(prod, consumers, groups, merged, score, False, str(exc)))
         return next_id, []
     ctx.decisions.append(decision(prod, consumers, groups, merged, score, True,
-                                             "recomputed in each consumer"))
+                                  "recomputed in each consumer"))
     view.recomputed_anywhere |= prod.members
     producers = pred.pop(p, set())
     succ.pop(p)
@@ -102,6 +100,7 @@ def apply(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx
 
 
 def decision(prod, consumers, groups, merged, score, taken, reason):
+    """The dump's record of a recompute candidate, taken or not, with its numbers and reason."""
     return {"producer": sorted(n.name for n in prod.members),
             "consumer": sorted(n.name for c in consumers for n in groups[c].members),
             "score_us": score * 1e6, "kind": "recompute",
