@@ -1,7 +1,7 @@
 """Which code-generation change would close a pattern's gap to the HBM floor? (GPU)
 
     python benchmarks/variants.py [--out DIR] [--only NAME ...] [--variants NAME ...]
-        [--rounds N] [--rows M] [--kernel-time] [--no-eager]
+        [--rounds N] [--rows M] [--kernel-time] [--graph] [--no-eager]
 
 For each pattern below the 90% target, the kernel the backend generates is rewritten by small
 text substitutions (each a hypothesis: a cheaper reduction combine, a reciprocal instead of a
@@ -29,7 +29,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import cases, copy_bandwidth  # noqa: E402
-from timing import kernel_times  # noqa: E402
+from timing import graph_times, kernel_times  # noqa: E402
 
 from fusion_compiler.measure import recording  # noqa: E402
 
@@ -440,6 +440,10 @@ def main():
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only these variants (the generated kernel, fusion and Inductor always)")
     ap.add_argument("--no-eager", action="store_true", help="leave eager out of the timing")
+    ap.add_argument("--graph", action="store_true",
+                    help="also the GPU's time per call of calls captured in a CUDA graph and run "
+                         "back to back, no flush (timing.graph_times: inputs warm in L2, as in a "
+                         "model whose kernels feed each other)")
     ap.add_argument("--kernel-time", action="store_true",
                     help="also the kernels' own device time per call after an L2 flush "
                          "(profiler): small sizes, where do_bench's timer and host delays blur")
@@ -516,6 +520,10 @@ def main():
         for r in range(a.rounds if a.kernel_time else 0):
             for label, f in in_turn(timed, r):
                 kernel_us.setdefault(label, []).append(kernel_times(lambda f=f: f(), ())["kernel_us"])
+        gcall = {}
+        for r in range(a.rounds if a.graph else 0):
+            for label, f in in_turn(timed, r):
+                gcall.setdefault(label, []).append(graph_times(lambda f=f: f(), ())["graph_call_us"])
         for label, all_ms in rounds.items():
             # the least median of the rounds counts; with several rounds, their median and
             # spread beside it, so that a difference can be told from the rounds' scatter
@@ -536,6 +544,9 @@ def main():
                 kt = f"  kernel {min(kernel_us[label]):6.2f} us"
                 if len(kernel_us[label]) > 2:
                     kt += f" (median {statistics.median(kernel_us[label]):6.2f})"
+            if label in gcall:
+                row[label].update(gcall_us=min(gcall[label]), gcall_rounds_us=gcall[label])
+                kt += f"  back to back {min(gcall[label]):6.2f} us"
             err = row.get("errors", {}).get(label)
             err = (f"  max err {err['max_abs_error']:.3g}, bits equal {100 * err['bits_equal']:.4f}%"
                    if err else "")
