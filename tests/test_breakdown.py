@@ -288,3 +288,19 @@ def test_bench_breakdown_without_a_gpu_says_so(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "CUDA GPU" in err[0]
     assert err[0].startswith("fusion-compiler: error:")
+
+
+def test_bench_table_shows_reserved_and_allocated_peak_memory():
+    """The main table's two memory columns, in MiB: reserved (``peak MB``) and the call's own
+    allocated tensors (``alloc MB``), the latter "-" for a row measured without it."""
+    row = {"ms": 2.0, "speedup_vs_eager": 1.5, "kernels_per_call": 7, "cold_compile_s": 1.0,
+           "warm_compile_s": None, "peak_mem_bytes": 88 * 2**20, "max_err_vs_eager": 0.01}
+    results = {"copy_TBps": 4.2, "mode": "inference", "targets": {
+        "bert": {"fusion": dict(row, peak_allocated_bytes=37 * 2**20), "eager": row}}}
+    header, *lines = bench.format_table(results).splitlines()[1:]
+    cells = [dict(zip(header.replace("peak MB", "peak_MB").replace("alloc MB", "alloc_MB")
+                      .replace("max err", "max_err").replace("cold s", "cold_s")
+                      .replace("warm s", "warm_s").replace("floor %", "floor").split(),
+                      line.split())) for line in lines]
+    assert [(c["backend"], c["peak_MB"], c["alloc_MB"]) for c in cells] == [
+        ("fusion", "88", "37"), ("eager", "88", "-")]
