@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from fusion_compiler import patterns as P  # noqa: E402  (the backend: by its entry point)
+from fusion_compiler.bench import in_turn  # noqa: E402
 
 bf = torch.bfloat16
 M, H, I = 16384, 4096, 11008
@@ -105,8 +106,7 @@ def main():
             rounds = 2 if m >= 4096 else a.rounds
             busy(a.busy)
             for r in range(rounds):            # in turns: host noise spread over all three
-                order = list(compiled.items())
-                for backend, f in (order[::-1] if r % 2 else order):
+                for backend, f in in_turn(compiled.items(), r):
                     ms, mean = bench(f, args, rep=200 if m >= 4096 else 100)
                     row.setdefault(f"{backend}_rounds_ms", []).append(ms)
                     row.setdefault(f"{backend}_rounds_mean_ms", []).append(mean)

@@ -38,6 +38,7 @@ from patterns import copy_bandwidth  # noqa: E402
 from timing import call_us, graph_times, kernel_times  # noqa: E402
 
 from fusion_compiler import patterns as P  # noqa: E402
+from fusion_compiler.bench import in_turn  # noqa: E402
 
 bf = torch.bfloat16
 
@@ -100,8 +101,8 @@ def main():
             entries.append((backend, f, args))
         entries += references(nbytes)
         results = {label: {"do_bench_us": [], "call_us": []} for label, _, _ in entries}
-        for r in range(a.rounds):       # every other round in reverse (variants.in_turn)
-            for label, f, fargs in (entries[::-1] if r % 2 else entries):
+        for r in range(a.rounds):
+            for label, f, fargs in in_turn(entries, r):
                 results[label]["do_bench_us"].append(
                     1e3 * do_bench(lambda: f(*fargs), warmup=25, rep=100, return_mode="median"))
                 results[label]["call_us"].append(call_us(f, fargs))

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import cases, copy_bandwidth  # noqa: E402
 from timing import graph_times, kernel_times  # noqa: E402
 
+from fusion_compiler.bench import in_turn  # noqa: E402
 from fusion_compiler.measure import recording  # noqa: E402
 
 RECIP = (r"\((\w+) / (\w+)\)", r"(\1 * (1.0 / \2))")
@@ -84,8 +85,6 @@ def exact(text):
 # keeps NaN) by itself
 NO_CLAMP = (r"= tl\.minimum\(tl\.maximum\((\w+), -448\.0, propagate_nan=tl\.PropagateNan\.ALL\), "
             r"448\.0, propagate_nan=tl\.PropagateNan\.ALL\)", r"= \1")
-EVICT_X = (r"(x1 = tl\.load\(in0 \+ \(cols \+ \(\d+ \* rindex\)\), mask=rmask & cmask, other=0)\)",
-           r"\1, eviction_policy='evict_first')")
 
 
 SIGMOID = (r"\(1\.0 / \(1\.0 \+ tl\.exp\(-(\w+)\)\)\)", r"tl.sigmoid(\1)")
@@ -148,7 +147,7 @@ INT_AMAX = (r'fl\.row_max\(tl\.where\(mask, (\w+), float\("-inf"\)\), 1\)\[:, No
 # the row mask a constant True, as where the row count is a multiple of XBLOCK (every anchor
 # case): Triton then drops the predicates of the row's loads and stores, as Inductor's kernels
 # for static sizes have none (the dynamic FP8 kernel: 437 -> 424 SASS instructions; sm_90, CPU).
-# Not yet run on the GPU (session 17)
+# On the GPU no faster (session 18, call 1: the figures under each pattern below)
 ROWS_EVEN = (r"rmask = rindex < R\b", "rmask = tl.full([XBLOCK, 1], 1, tl.int1)")
 
 
@@ -237,10 +236,6 @@ def libdevice_tanh(text):
     """``fl.tanh`` (libdevice's tanhf without its branch, codegen/triton_lib.py) back to
     libdevice's own: the comparison that chose the branch-free form."""
     return text.replace("fl.tanh(", "fl.tanh_libdevice(")
-
-
-def const_n(n):
-    return (r"cmask = cols < N", f"cmask = cols < {n}")
 
 
 def block(b, w):
@@ -395,12 +390,6 @@ VARIANTS = {
 }
 
 
-def in_turn(timed: dict, r: int) -> list:
-    """The (label, callable) pairs of round ``r``: in order, every other round reversed."""
-    items = list(timed.items())
-    return items[::-1] if r % 2 else items
-
-
 def load_module(source: str, name: str, folder: Path):
     path = folder / f"{name}.py"
     path.write_text(source)
@@ -507,22 +496,21 @@ def main():
                 row.setdefault("failed", {})[vname] = f"{type(e).__name__}: {e}"[:300]
                 print(f"  {name} / {vname}: failed: {e}"[:300], flush=True)
         rounds, means, samples = {}, {}, {}
-        # interleaved rounds, a drift hits every label alike; every other round in reverse, so
-        # that no label always comes right after eager's long run (in session 17 the label
-        # timed there read 1.2-2.0 points of the floor under the same kernel timed later)
+        # interleaved rounds, a drift hits every label alike (bench.in_turn: every other round
+        # in reverse)
         for r in range(a.rounds):
-            for label, f in in_turn(timed, r):
+            for label, f in in_turn(timed.items(), r):
                 times = do_bench(f, warmup=25, rep=200, return_mode="all")
                 rounds.setdefault(label, []).append(statistics.median(times))
                 means.setdefault(label, []).append(statistics.fmean(times))
                 samples[label] = times
         kernel_us = {}
         for r in range(a.rounds if a.kernel_time else 0):
-            for label, f in in_turn(timed, r):
+            for label, f in in_turn(timed.items(), r):
                 kernel_us.setdefault(label, []).append(kernel_times(lambda f=f: f(), ())["kernel_us"])
         gcall = {}
         for r in range(a.rounds if a.graph else 0):
-            for label, f in in_turn(timed, r):
+            for label, f in in_turn(timed.items(), r):
                 gcall.setdefault(label, []).append(graph_times(lambda f=f: f(), ())["graph_call_us"])
         for label, all_ms in rounds.items():
             # the least median of the rounds counts; with several rounds, their median and

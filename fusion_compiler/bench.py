@@ -170,6 +170,14 @@ def measure(fn, make_inputs, backend: str, mode: str, floor_bytes=None, ref=None
 ROUNDS = 5
 
 
+def in_turn(items, r: int) -> list:
+    """``items`` in order in round ``r``, reversed every other round: timed in turns this way,
+    no item always comes right after the same one (in session 17 a kernel timed right after
+    eager's long run read 1.2-2.0 points of the floor under the same kernel timed later)."""
+    items = list(items)
+    return items[::-1] if r % 2 else items
+
+
 def interleaved(calls: dict, rounds: int = ROUNDS) -> dict:
     """backend -> the median latency (ms) of ``rounds`` rounds, each timing every backend in
     turn (``do_bench`` medians, the order reversed every other round), so a drift of the host's
@@ -181,10 +189,9 @@ def interleaved(calls: dict, rounds: int = ROUNDS) -> dict:
         call()
     torch.cuda.synchronize()
     times = {b: [] for b in calls}
-    names = list(calls)
     for r in range(rounds):
-        for b in (names if r % 2 == 0 else names[::-1]):
-            times[b].append(do_bench(calls[b], warmup=5, rep=40, return_mode="median"))
+        for b, call in in_turn(calls.items(), r):
+            times[b].append(do_bench(call, warmup=5, rep=40, return_mode="median"))
     return times
 
 

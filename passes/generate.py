@@ -52,7 +52,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             launch.__name__ = launch.__qualname__ = "launch"     # FX names call targets
             launch.__module__ = module.__name__
             ctx.launchers[g.id] = launch
-        members = sorted(g.members, key=g.nodes.index)    # graph order: a set's is not fixed
+        members = [n for n in g.nodes if n in g.members]    # graph order: a set's is not fixed
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
                             "ops": [str(n.target) for n in members], "runs": runs})
     if LEAN and ctx.config.compile_threads > 0:
