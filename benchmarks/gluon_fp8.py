@@ -1,5 +1,5 @@
 """A hypothesis, not a code-generator output: RMSNorm + dynamic per-row FP8 quant written by hand
-in Gluon (Triton's explicit-layout language) with two block barriers per row instead of the six
+in Gluon (Triton's explicit-layout language) with two block barriers per row instead of the five
 that Triton's lowering of the generated kernel's two cross-warp reductions has (sm_90 SASS, CPU).
 
 Each of the row's ``WARPS`` warps reduces its contiguous quarter of the row with shuffles alone,
