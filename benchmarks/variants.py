@@ -226,6 +226,40 @@ def prefetch(programs: int, hoist: bool = False):
     return rewrite
 
 
+_ROW_LOAD = (r"\n(\s+)x1 = tl\.load\(in0 \+ \(cols \+ \((\d+) \* rindex\)\), "
+             r"mask=rmask & cmask, other=0\)\.to\(tl\.float32\)\n")
+
+
+def l2_prefetch(ahead: int, bulk: bool = False):
+    """Each program, once it has asked for its own rows, asks L2 for the rows ``ahead`` rows on:
+    the rows a program about that many rows later will load (1188 programs of one row are
+    resident at once on the H200's 132 SMs). Unlike the register prefetches above, this holds
+    no registers and needs no loop, so occupancy and the grid stay as generated. Per 128-byte
+    line one ``prefetch.global.L2``; with ``bulk`` one ``cp.async.bulk.prefetch.L2`` (sm_90)
+    for the program's row (programs of one row), issued by its first thread. The rows are
+    bf16."""
+    def rewrite(text):
+        m = re.search(_ROW_LOAD, text)
+        ind, n = m.group(1), int(m.group(2))
+        row0 = f"tl.minimum(pid * XBLOCK + {ahead}, R - XBLOCK)"
+        if bulk:
+            lines = [f"{ind}pf_at = (tl.full([1], 0, tl.int64) + {n} * {row0}) * 2 + "
+                     f"in0.to(tl.int64)",
+                     f"{ind}pf_done = tl.inline_asm_elementwise(\"{{ .reg .pred p; .reg .b32 t; "
+                     f"mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p cp.async.bulk.prefetch.L2."
+                     f"global [$1], {2 * n}; mov.u32 $0, 0; }}\", \"=r,l\", "
+                     f"[pf_at], dtype=tl.int32, is_pure=False, pack=1)"]
+        else:
+            lines = [f"{ind}pf_rows = tl.minimum(rindex + {ahead}, R - 1)",
+                     f"{ind}pf_at = (in0 + (tl.arange(0, {n // 64})[None, :] * 64 + {n} * pf_rows))"
+                     f".to(tl.int64)",
+                     f"{ind}pf_done = tl.inline_asm_elementwise(\"prefetch.global.L2 [$1]; "
+                     f"mov.u32 $0, 0;\", \"=r,l\", [pf_at], dtype=tl.int32, is_pure=False, "
+                     f"pack=1)"]
+        return text[:m.end()] + "\n".join(lines) + "\n" + text[m.end():]
+    return rewrite
+
+
 def gluon_fp8(text):
     """The whole module replaced by benchmarks/gluon_fp8.py: the dynamic FP8 kernel written by
     hand in Gluon, two block barriers per row instead of five (sm_90 SASS, CPU)."""
@@ -316,6 +350,12 @@ VARIANTS = {
         # 2 rows on 4 warps: 40 registers (12 blocks an SM); 1 row on 1 warp: 66 (28 blocks)
         "prefetch 1584": [prefetch(1584)],
         "prefetch 3696, 1 row w1": [prefetch(3696), rows(1, 1)],
+        # 1584 programs of 2 rows resident: 3168 rows. Session 19 call 1 (do_bench / kernel,
+        # us): Inductor 1003.0 / 1006.42, generated 1007.4 / 1001.87, L2 prefetch 1584 1264.5 /
+        # 1262.19, 3168 1359.5 / 1355.41, 6336 1382.6 / 1380.18
+        "L2 prefetch 1584": [l2_prefetch(1584)],
+        "L2 prefetch 3168": [l2_prefetch(3168)],
+        "L2 prefetch 6336": [l2_prefetch(6336)],
     },
     "add_rmsnorm": {
         "w4": [rows(1, 4)],
@@ -344,6 +384,16 @@ VARIANTS = {
         "prefetch 1056, maxnreg 64": [prefetch(1056), maxnreg(64)],
         "prefetch 8192": [prefetch(8192)],
         "prefetch 8192, maxnreg 64": [prefetch(8192), maxnreg(64)],
+        # no registers held (programs of one row: 1188 resident at 9 an SM). Session 19 call 1
+        # (do_bench / kernel / back to back, us): generated 53.5 / 49.79 / 47.69, L2 prefetch
+        # 594 58.6 / 55.09 / 54.72, 1188 65.5 / 62.48 / 62.45, 2376 81.1 / 80.08 / 72.60, bulk
+        # 1188 54.8 / 51.42 / 51.60, bulk 2376 67.2 / 66.61 / 59.60: every prefetch slower, the
+        # farther ahead the slower (lines evicted before their row is loaded, so read twice)
+        "L2 prefetch 594": [l2_prefetch(594)],
+        "L2 prefetch 1188": [l2_prefetch(1188)],
+        "L2 prefetch 2376": [l2_prefetch(2376)],
+        "L2 bulk prefetch 1188": [l2_prefetch(1188, bulk=True)],
+        "L2 bulk prefetch 2376": [l2_prefetch(2376, bulk=True)],
         "no sum (not a candidate)": [NO_SUM],
     },
     "rmsnorm_dynamic_fp8": {
@@ -375,6 +425,18 @@ VARIANTS = {
         "prefetch 8192": [prefetch(8192)],
         "prefetch 4096": [prefetch(4096)],
         "prefetch 8192, maxnreg 64": [prefetch(8192), maxnreg(64)],
+        # no registers held (programs of one row: 1188 resident at 9 an SM). Session 19 call 1
+        # (do_bench / kernel / back to back, us): generated 54.0 / 51.78 / 48.81, L2 prefetch
+        # 594 60.5 / 57.82 / 57.59, 1188 67.0 / 63.68 / 63.79, 2376 83.4 / 80.45 / 73.42, bulk
+        # 1188 56.0 / 52.58 / 52.75, bulk 2376 69.4 / 66.50 / 61.19, 1188 held to 56 registers
+        # 66.9 / 63.58 / 63.67: every prefetch slower, the farther ahead the slower
+        "L2 prefetch 594": [l2_prefetch(594)],
+        "L2 prefetch 1188": [l2_prefetch(1188)],
+        "L2 prefetch 2376": [l2_prefetch(2376)],
+        "L2 bulk prefetch 1188": [l2_prefetch(1188, bulk=True)],
+        "L2 bulk prefetch 2376": [l2_prefetch(2376, bulk=True)],
+        # the per-line prefetch takes 58 registers (8 blocks an SM); held to 56: 9
+        "L2 prefetch 1188, maxnreg 56": [l2_prefetch(1188), maxnreg(56)],
         "no amax (not a candidate)": [NO_AMAX],
         "no sum, no amax (not a candidate)": [NO_SUM, NO_AMAX],
         # 48 registers, 372 SASS instructions, 2 barriers (the generated kernel: 56, 437, 5);
