@@ -107,24 +107,72 @@ def _compile_kernels(ctx) -> None:
     ctx.kernels[:] = [k for k in ctx.kernels if not k["runs"] or k["group"] in ctx.launchers]
 
 
+def _op(node) -> str:
+    """'aten.mul.Tensor' -> 'mul' for an op's node; '' for inputs and constants."""
+    return str(node.target).split(".")[1] if node.op == "call_function" else ""
+
+
+def _gated(group) -> bool:
+    """Whether a sigmoid's result multiplies a value it was not computed from (SwiGLU's up
+    projection, apart or a half of one tensor), rather than its own input (SiLU,
+    x * sigmoid(x); QuickGELU, x * sigmoid(1.702 x))."""
+    members = set(group.members)
+
+    def ancestors(node):
+        seen, todo = set(), [node]
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    if a in members:
+                        todo.append(a)
+        return seen
+
+    def unwrapped(node):        # a dtype conversion of x is x
+        while _op(node) in ("_to_copy", "convert_element_type") and node in members:
+            node = node.all_input_nodes[0]
+        return node
+
+    for n in group.members:
+        if _op(n) != "mul" or len(n.all_input_nodes) != 2:
+            continue
+        for this, other in (n.all_input_nodes, n.all_input_nodes[::-1]):
+            for s in ancestors(this) | {this}:
+                if s in members and _op(s) == "sigmoid":
+                    source = {unwrapped(a) for a in ancestors(s)}
+                    if unwrapped(other) not in source and s not in ancestors(other):
+                        return True
+    return False
+
+
+def _has_constant(group, value: float) -> bool:
+    return any(isinstance(a, float) and abs(a - value) < 1e-9 for n in group.members
+               for a in n.args)
+
+
 def label(group) -> str:
     """Short name of what a group computes, read off its ops (for people, not for decisions)."""
-    ops = {str(n.target).split(".")[1] for n in group.members}
+    ops = {_op(n) for n in group.members}
     out_dtypes = {n.meta["fc_tensor"].dtype for n in group.members}
     in_dtypes = {n.meta["fc_tensor"].dtype for n in group.inputs}
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2}
-    reductions = sum(1 for n in group.members if str(n.target).split(".")[1] in ("mean", "sum"))
+    reductions = sum(1 for n in group.members if _op(n) in ("mean", "sum"))
     parts = []
     if {"amax", "exp", "sum"} <= ops:
         parts.append("softmax")
     elif "rsqrt" in ops and reductions:
-        parts.append("layernorm" if reductions >= 2 else "rmsnorm")  # mean and variance vs mean square
+        # LayerNorm subtracts the row's mean; RMSNorm does not (a group may hold two norms)
+        centred = any(_op(n) == "sub" and any(_op(a) == "mean" for a in n.all_input_nodes)
+                      for n in group.members)
+        parts.append("layernorm" if centred else "rmsnorm")
     if "cat" in ops and "neg" in ops:
         parts.append("rope")
     if "sigmoid" in ops and "mul" in ops:
-        parts.append("swiglu")
-    if "erf" in ops or "tanh" in ops:
-        parts.append("gelu")
+        parts.append("swiglu" if _gated(group) else "silu")
+    if "erf" in ops or ("tanh" in ops and _has_constant(group, 0.044715)):
+        parts.append("gelu")            # exact, or tanh's approximation (its cubic's factor)
+    elif "tanh" in ops:
+        parts.append("tanh")            # e.g. Gemma 2's soft-capping of attention scores
     if out_dtypes & fp8:
         parts.append("quant")
     if in_dtypes & ({torch.int8, torch.uint8} | fp8) and not out_dtypes & fp8:
