@@ -1,0 +1,307 @@
+"""Thirty Hugging Face architectures, tiny and random, compiled against eager (CPU interpreter).
+
+What a user compiling a model of their own meets: each family's norms, activations, rotary
+embeddings, attention masks and pooling as transformers writes them. For each model the test
+asserts the fused kernels by kind (the report's labels), that no norm or activation is left
+on ATen, and the output against eager in fp32 and bf16; a sample also trains (forward and
+backward) and generates with a KV cache (shapes changing every step).
+
+Needs transformers (the `test` extra); a model its installed version lacks, or cannot run
+eagerly, is skipped with the reason.
+"""
+from collections import Counter
+
+import pytest
+import torch
+
+import fusion_compiler
+from helpers import as_tuple, assert_close, compile_and_run
+
+T = pytest.importorskip("transformers")
+
+# Only on the CPU, in Triton's interpreter: on a GPU machine the examples' GPU tests cover the
+# launch path (there the attention of some of these models is traced in another form).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=256, max_position_embeddings=128)
+ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=256)
+VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, image_size=32, patch_size=8)
+
+# name: (config class, model class, config, inputs, fused kernels by label in fp32 inference).
+# Labels of kernels that only move data (pointwise, residual, reduction: mask code and the
+# like, which varies between transformers versions) are not counted.
+ZOO = {
+    "llama": ("LlamaConfig", "LlamaModel", dict(DECODER, num_key_value_heads=2), "ids",
+              {"rmsnorm": 5, "rope": 4, "swiglu": 2}),
+    "mistral": ("MistralConfig", "MistralModel", dict(DECODER, num_key_value_heads=2,
+                                                      sliding_window=8), "ids",
+                {"rmsnorm": 5, "rope": 4, "swiglu": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2Model", dict(DECODER, num_key_value_heads=2), "ids",
+              {"rmsnorm": 5, "rope": 4, "swiglu": 2}),
+    # per-head q and k norms: four more RMSNorms
+    "qwen3": ("Qwen3Config", "Qwen3Model", dict(DECODER, num_key_value_heads=2, head_dim=16),
+              "ids", {"rmsnorm": 9, "rope": 4, "swiglu": 2}),
+    "gemma": ("GemmaConfig", "GemmaModel", dict(DECODER, num_key_value_heads=2, head_dim=16),
+              "ids", {"rmsnorm": 5, "rope": 4, "gelu": 2}),
+    # eager attention: the scores' tanh soft-capping joins the softmax
+    "gemma2": ("Gemma2Config", "Gemma2Model", dict(DECODER, num_key_value_heads=2, head_dim=16,
+                                                   attn_implementation="eager"), "ids",
+               {"rmsnorm": 5, "rope": 4, "softmax+tanh": 2, "gelu": 2}),
+    # gate and up projections as one GEMM, split in the SwiGLU kernel
+    "phi3": ("Phi3Config", "Phi3Model", dict(DECODER, num_key_value_heads=2, pad_token_id=0),
+             "ids", {"rmsnorm": 5, "rope": 4, "swiglu": 2}),
+    "phi": ("PhiConfig", "PhiModel", DECODER, "ids", {"layernorm": 3, "rope": 2, "gelu": 2}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXModel", DECODER, "ids",
+                 {"layernorm": 3, "rope": 2, "gelu": 2}),
+    # mixture of experts: the router's softmax and top-k; the experts' GEMMs stay on ATen
+    "mixtral": ("MixtralConfig", "MixtralModel", dict(DECODER, num_key_value_heads=2,
+                                                      num_local_experts=4,
+                                                      num_experts_per_tok=2), "ids",
+                {"rmsnorm": 5, "rope": 4, "softmax": 2, "swiglu": 2}),
+    "olmo": ("OlmoConfig", "OlmoModel", DECODER, "ids", {"layernorm": 5, "rope": 2,
+                                                          "swiglu": 2}),
+    "stablelm": ("StableLmConfig", "StableLmModel", dict(DECODER, num_key_value_heads=4), "ids",
+                 {"layernorm": 5, "rope": 2, "swiglu": 2}),
+    "opt": ("OPTConfig", "OPTModel", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                          num_attention_heads=4, vocab_size=256,
+                                          word_embed_proj_dim=64,
+                                          max_position_embeddings=128), "ids+mask",
+            {"layernorm": 5}),
+    # ALiBi attention in its math form: one softmax a layer
+    "bloom": ("BloomConfig", "BloomModel", dict(hidden_size=64, n_layer=2, n_head=4,
+                                                vocab_size=256), "ids+mask",
+              {"layernorm": 5, "softmax": 2, "gelu": 2}),
+    "falcon": ("FalconConfig", "FalconModel", dict(hidden_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, vocab_size=256),
+               "ids", {"layernorm": 3, "rope": 4, "softmax": 2, "gelu": 2}),
+    "gptj": ("GPTJConfig", "GPTJModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
+                                             rotary_dim=8, n_positions=128), "ids",
+             {"layernorm": 3, "rope": 2, "gelu": 2}),
+    "distilbert": ("DistilBertConfig", "DistilBertModel", dict(dim=64, hidden_dim=128,
+                                                               n_layers=2, n_heads=4,
+                                                               vocab_size=256), "ids+mask",
+                   {"layernorm": 5, "gelu": 2}),
+    # the pooler's tanh
+    "roberta": ("RobertaConfig", "RobertaModel", ENCODER, "ids+mask",
+                {"layernorm": 5, "gelu": 2, "tanh": 1}),
+    "electra": ("ElectraConfig", "ElectraModel", dict(ENCODER, embedding_size=32), "ids+mask",
+                {"layernorm": 5, "gelu": 2}),
+    # disentangled attention in its math form
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", ENCODER, "ids+mask",
+                   {"layernorm": 5, "softmax": 2, "gelu": 2}),
+    "albert": ("AlbertConfig", "AlbertModel", dict(ENCODER, embedding_size=32), "ids+mask",
+               {"layernorm": 5, "gelu": 2, "tanh": 1}),
+    "t5": ("T5Config", "T5EncoderModel", dict(d_model=64, d_ff=128, num_layers=2, num_heads=4,
+                                              d_kv=16, vocab_size=256), "ids+mask",
+           {"rmsnorm": 5}),
+    "t5_gated_gelu": ("T5Config", "T5EncoderModel", dict(d_model=64, d_ff=128, num_layers=2,
+                                                         num_heads=4, d_kv=16, vocab_size=256,
+                                                         feed_forward_proj="gated-gelu"),
+                      "ids+mask", {"rmsnorm": 5, "gelu": 2}),
+    # encoder and decoder, cross-attention
+    "bart": ("BartConfig", "BartModel", dict(d_model=64, encoder_ffn_dim=128,
+                                             decoder_ffn_dim=128, encoder_layers=2,
+                                             decoder_layers=2, encoder_attention_heads=4,
+                                             decoder_attention_heads=4, vocab_size=256,
+                                             max_position_embeddings=128), "ids+mask+dec",
+             {"layernorm": 12, "gelu": 4}),
+    "vit": ("ViTConfig", "ViTModel", VISION, "pixels", {"layernorm": 5, "gelu": 2, "tanh": 1}),
+    # QuickGELU, x * sigmoid(1.702 x)
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", VISION, "pixels",
+                    {"layernorm": 5, "silu": 2}),
+    # channels-last LayerNorms between convolutions; the pooling mean over H, W stays on ATen
+    "convnext": ("ConvNextConfig", "ConvNextModel", dict(hidden_sizes=[16, 32, 48, 64],
+                                                         depths=[1, 1, 1, 1], image_size=32),
+                 "pixels", {"layernorm": 9, "gelu": 4}),
+    # window partitions: a LayerNorm's output written as windows (statistics and normalisation
+    # in two kernels); the pooling mean over tokens stays on ATen
+    "swin": ("SwinConfig", "SwinModel", dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                             image_size=32, patch_size=4, window_size=4),
+             "pixels", {"layernorm": 6, "gelu": 2}),
+    "whisper": ("WhisperConfig", "WhisperModel", dict(d_model=64, encoder_layers=2,
+                                                      decoder_layers=2,
+                                                      encoder_attention_heads=4,
+                                                      decoder_attention_heads=4,
+                                                      encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                                      num_mel_bins=16, max_source_positions=16,
+                                                      max_target_positions=32, vocab_size=256,
+                                                      pad_token_id=0, bos_token_id=1,
+                                                      eos_token_id=2,
+                                                      decoder_start_token_id=1), "audio",
+                {"gelu": 5, "layernorm+gelu": 2, "layernorm": 10}),
+    # NoNorm (x * w + b) and ReLU: elementwise kernels only; the pooler's tanh
+    "mobilebert": ("MobileBertConfig", "MobileBertModel", dict(ENCODER, intermediate_size=64,
+                                                               embedding_size=32,
+                                                               intra_bottleneck_size=32,
+                                                               true_hidden_size=32),
+                   "ids+mask", {"tanh": 1}),
+}
+# kernels that move data only; their number follows transformers' mask code
+UNCOUNTED = {"pointwise", "residual", "reduction"}
+# ops of norms and activations: none may be left on ATen (``mean``: the pooling of the two
+# vision models, a reduction over a middle dimension)
+NORM_AND_ACTIVATION = {"rsqrt", "var_mean", "native_layer_norm", "erf", "tanh", "pow",
+                       "sigmoid", "gelu", "silu", "relu", "_softmax", "amax"}
+POOLED = {"convnext", "swin"}
+# In bf16 Swin reads one LayerNorm's statistics from the kernel that computed them instead of
+# recomputing them beside the windowed normalisation: that kernel has no rsqrt (a reduction).
+BF16 = {"swin": {"layernorm": 5, "gelu": 2}}
+
+TRAINED = ["llama", "gemma2", "phi3", "gpt_neox", "bloom", "roberta", "t5", "bart", "vit",
+           "convnext", "swin"]
+GENERATED = [("llama", "LlamaForCausalLM"), ("gpt_neox", "GPTNeoXForCausalLM"),
+             ("bloom", "BloomForCausalLM"), ("phi3", "Phi3ForCausalLM")]
+
+
+class Wrapped(torch.nn.Module):
+    """forward(*tensors) -> the model's last hidden state, and its pooled output if it has
+    one (so the pooler's ops are compiled, not dropped as unused)."""
+
+    def __init__(self, model, names, options):
+        super().__init__()
+        self.model, self.names, self.options = model, names, options
+
+    def forward(self, *tensors):
+        out = self.model(**dict(zip(self.names, tensors)), **self.options)
+        pooled = getattr(out, "pooler_output", None)
+        return out.last_hidden_state if pooled is None else (out.last_hidden_state, pooled)
+
+
+def build(name, dtype, model_class=None):
+    cfg_name, model_name, options, _, _ = ZOO[name]
+    if not hasattr(T, cfg_name) or not hasattr(T, model_class or model_name):
+        pytest.skip(f"transformers {T.__version__} has no {model_class or model_name}")
+    options = dict(options)
+    attn = options.pop("attn_implementation", None)
+    cfg = getattr(T, cfg_name)(**options)
+    for key, value in list(vars(cfg).items()):        # no dropout: eager and compiled agree
+        if "drop" in key and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    if attn:
+        cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return getattr(T, model_class or model_name)(cfg).to(dtype)
+
+
+def inputs(name, dtype):
+    kind = ZOO[name][3]
+    g = torch.Generator().manual_seed(1)
+    if kind == "pixels":
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g).to(dtype)}
+    if kind == "audio":
+        return {"input_features": torch.randn(2, 16, 32, generator=g).to(dtype),
+                "decoder_input_ids": torch.randint(0, 256, (2, 5), generator=g)}
+    out = {"input_ids": torch.randint(1, 256, (2, 13), generator=g)}
+    if "mask" in kind:       # the second sequence padded: masks reach the kernels
+        mask = torch.ones(2, 13, dtype=torch.long)
+        mask[1, 9:] = 0
+        out["attention_mask"] = mask
+    if "dec" in kind:
+        out["decoder_input_ids"] = torch.randint(1, 256, (2, 7), generator=g)
+    return out
+
+
+def wrapped(name, dtype):
+    model = build(name, dtype)
+    kw = inputs(name, dtype)
+    takes_cache = "use_cache" in model.forward.__code__.co_varnames
+    module = Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {})
+    args = tuple(kw.values())
+    try:
+        with torch.no_grad():
+            module.eval()(*args)
+    except Exception as exc:        # noqa: BLE001 - not ours to test
+        pytest.skip(f"{name} does not run eagerly with transformers {T.__version__}: {exc}")
+    return module, args
+
+
+def loss(outputs):
+    return sum(o.pow(2).mean() for o in outputs)
+
+
+def fused_labels(reports, kind=None):
+    got = Counter(k["label"] for r in reports if kind in (None, r.kind) for k in r.kernels)
+    return {k: v for k, v in got.items() if k not in UNCOUNTED}
+
+
+def left_on_aten(reports):
+    return {op.split(".")[1] for r in reports for op in r.aten_ops}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inference_matches_eager(name, dtype):
+    module, args = wrapped(name, dtype)
+    module.eval()
+    with torch.no_grad():
+        expected = module(*args)
+        out, reports = compile_and_run(module, args)
+    assert [r.error for r in reports if r.error] == []
+    assert len(reports) == 1
+    want = BF16.get(name, ZOO[name][4]) if dtype == torch.bfloat16 else ZOO[name][4]
+    assert fused_labels(reports) == want
+    left = left_on_aten(reports)
+    assert not left & NORM_AND_ACTIVATION, sorted(left)
+    assert ("mean" in left) == (name in POOLED), sorted(left)
+    for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(expected))):
+        assert_close(a, e, dtype=dtype, name=f"output {i}")
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_training_step_matches_eager(name):
+    """fp32 forward and backward: the loss's gradients against eager's, each parameter's
+    within a thousandth of the largest gradient of the model (fp32 summation orders differ;
+    near-zero gradients, such as a query bias's under softmax, are all rounding)."""
+    module, args = wrapped(name, torch.float32)
+    module.train()
+    module.zero_grad(set_to_none=True)
+    expected = as_tuple(module(*args))
+    loss(expected).backward()
+    want = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:       # backward compiles on first use
+        out = as_tuple(torch.compile(module, backend="fusion", fullgraph=True)(*args))
+        loss(out).backward()
+    assert [r.error for r in reports if r.error] == []
+    assert {r.kind for r in reports} == {"forward", "backward"}
+    forward, backward = fused_labels(reports, "forward"), fused_labels(reports, "backward")
+    norms = sum(v for k, v in ZOO[name][4].items() if "norm" in k)
+    assert sum(v for k, v in forward.items() if "norm" in k) == norms, forward
+    assert sum(r.num_kernels for r in reports if r.kind == "backward") >= norms, backward
+    for i, (a, e) in enumerate(zip(out, expected)):
+        assert_close(a, e, dtype=torch.float32, name=f"output {i}")
+    scale = max(g.abs().max().item() for g in want.values())
+    got = dict(module.named_parameters())
+    for n, g in want.items():
+        assert got[n].grad is not None, f"{n}: no gradient"
+        assert_close(got[n].grad, g, atol=1e-3 * scale, rtol=1e-4, name=f"grad of {n}")
+
+
+@pytest.mark.parametrize("name, lm", GENERATED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_generation_with_kv_cache_matches_eager(name, lm, dtype):
+    """Twelve greedy steps with a KV cache: a graph for the prompt, then shapes that grow each
+    step (a dynamic-shape recompile); the tokens and every step's scores as eager's."""
+    model = build(name, dtype, lm).eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 256, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0                          # left padding
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                   pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(**options)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="fusion")
+        with fusion_compiler.capture_compiles() as reports:
+            got = model.generate(**options)
+    assert [r.error for r in reports if r.error] == []
+    # the prompt, the first step, then one graph with dynamic shapes for every later step
+    assert 2 <= len(reports) <= 3 and all(r.num_kernels > 0 for r in reports), len(reports)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (a, e) in enumerate(zip(got.scores, expected.scores)):
+        assert_close(a, e, dtype=dtype, name=f"scores of step {step}")
