@@ -1,0 +1,157 @@
+"""Hugging Face architectures beyond the examples, at the sizes of their base models, as
+``fusion-compiler bench`` targets (random weights, no downloads; needs transformers).
+
+    fusion-compiler bench benchmarks/hf_zoo.py:vit_base_32 benchmarks/hf_zoo.py:t5_base_16x256 \\
+        ... --compare eager,inductor,fusion
+
+Each factory takes (device, dtype) and returns (model, inputs): the model's forward takes the
+inputs positionally and returns its last hidden state (and the pooled output where the model
+has a pooler). ``TINY=1`` in the environment builds each with two layers of width 64 instead
+(the same code, for a CPU check).
+"""
+import os
+
+import torch
+
+TINY = os.environ.get("TINY") == "1"
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, model, names, options):
+        super().__init__()
+        self.model, self.names, self.options = model, names, options
+
+    def forward(self, *tensors):
+        out = self.model(**dict(zip(self.names, tensors)), **self.options)
+        pooled = getattr(out, "pooler_output", None)
+        return out.last_hidden_state if pooled is None else (out.last_hidden_state, pooled)
+
+
+def _make(cfg_name, model_name, config, tiny, inputs, device, dtype, attn=None):
+    import transformers as T
+
+    cfg = getattr(T, cfg_name)(**(dict(config, **tiny) if TINY else config))
+    for key, value in list(vars(cfg).items()):
+        if "drop" in key and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    if attn:
+        cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    model = getattr(T, model_name)(cfg).to(device=device, dtype=dtype).eval()
+    kw = inputs(cfg, device, dtype)
+    takes_cache = "use_cache" in model.forward.__code__.co_varnames
+    return Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {}), tuple(kw.values())
+
+
+def _ids(batch, seq, mask=False, decoder=0):
+    def make(cfg, device, dtype):
+        out = {"input_ids": torch.randint(1, cfg.vocab_size, (batch, seq), device=device)}
+        if mask:
+            m = torch.ones(batch, seq, dtype=torch.long, device=device)
+            m[0, seq * 3 // 4:] = 0                # one padded sequence
+            out["attention_mask"] = m
+        if decoder:
+            out["decoder_input_ids"] = torch.randint(1, cfg.vocab_size, (batch, decoder),
+                                                     device=device)
+        return out
+    return make
+
+
+def _pixels(batch, size):
+    def make(cfg, device, dtype):
+        return {"pixel_values": torch.randn(batch, 3, size, size, device=device, dtype=dtype)}
+    return make
+
+
+TINY_DEC = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+
+
+def mistral_4x1024(device="cpu", dtype=torch.bfloat16):
+    """Mistral-style decoder, 8 layers of 2048 (GQA 16/4, sliding window 512)."""
+    return _make("MistralConfig", "MistralModel",
+                 dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, sliding_window=512,
+                      vocab_size=32000), TINY_DEC, _ids(4, 1024 if not TINY else 16),
+                 device, dtype)
+
+
+def qwen3_4x1024(device="cpu", dtype=torch.bfloat16):
+    """Qwen3-style decoder, 8 layers of 2048, RMSNorm on each head's queries and keys."""
+    return _make("Qwen3Config", "Qwen3Model",
+                 dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                      vocab_size=32000), dict(TINY_DEC, head_dim=16),
+                 _ids(4, 1024 if not TINY else 16), device, dtype)
+
+
+def gemma2_4x512(device="cpu", dtype=torch.bfloat16):
+    """Gemma 2-style decoder, 8 layers of 2048, eager attention with tanh soft-capping, four
+    RMSNorms a layer, tanh-GELU gate."""
+    return _make("Gemma2Config", "Gemma2Model",
+                 dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      vocab_size=32000), dict(TINY_DEC, head_dim=16),
+                 _ids(4, 512 if not TINY else 16), device, dtype, attn="eager")
+
+
+def bloom_8x512(device="cpu", dtype=torch.bfloat16):
+    """BLOOM-560m: 24 layers of 1024, ALiBi attention in its math form (softmax kernels)."""
+    return _make("BloomConfig", "BloomModel",
+                 dict(hidden_size=1024, n_layer=24, n_head=16, vocab_size=32000),
+                 dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256),
+                 _ids(8, 512 if not TINY else 16, mask=True), device, dtype)
+
+
+def t5_base_16x256(device="cpu", dtype=torch.bfloat16):
+    """T5-base encoder: 12 layers of 768, RMSNorm, relative position bias."""
+    return _make("T5Config", "T5EncoderModel",
+                 dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64,
+                      vocab_size=32128),
+                 dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=256),
+                 _ids(16, 256 if not TINY else 16, mask=True), device, dtype)
+
+
+def bart_base_16x256(device="cpu", dtype=torch.bfloat16):
+    """BART-base: 6 + 6 layers of 768, post-LayerNorm, GELU, cross-attention."""
+    return _make("BartConfig", "BartModel",
+                 dict(d_model=768, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
+                      encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                      decoder_attention_heads=12, vocab_size=50265),
+                 dict(d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_layers=2,
+                      decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                      vocab_size=256),
+                 _ids(16, 256 if not TINY else 16, mask=True,
+                      decoder=128 if not TINY else 8), device, dtype)
+
+
+def vit_base_32(device="cpu", dtype=torch.bfloat16):
+    """ViT-B/16 at 224: 12 layers of 768, 197 tokens, batch 32."""
+    return _make("ViTConfig", "ViTModel",
+                 dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      num_attention_heads=12, image_size=224, patch_size=16),
+                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, image_size=32, patch_size=8),
+                 _pixels(32, 224 if not TINY else 32), device, dtype)
+
+
+def convnext_tiny_32(device="cpu", dtype=torch.bfloat16):
+    """ConvNeXt-T at 224, batch 32: depthwise convolutions, channels-last LayerNorms, GELU."""
+    return _make("ConvNextConfig", "ConvNextModel",
+                 dict(hidden_sizes=[96, 192, 384, 768], depths=[3, 3, 9, 3], image_size=224),
+                 dict(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], image_size=32),
+                 _pixels(32, 224 if not TINY else 32), device, dtype)
+
+
+def swin_tiny_32(device="cpu", dtype=torch.bfloat16):
+    """Swin-T at 224, batch 32: window attention, patch merging."""
+    return _make("SwinConfig", "SwinModel",
+                 dict(embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+                      image_size=224, patch_size=4, window_size=7),
+                 dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], image_size=32,
+                      patch_size=4, window_size=4),
+                 _pixels(32, 224 if not TINY else 32), device, dtype)
+
+
+ALL = ["mistral_4x1024", "qwen3_4x1024", "gemma2_4x512", "bloom_8x512", "t5_base_16x256",
+       "bart_base_16x256", "vit_base_32", "convnext_tiny_32", "swin_tiny_32"]
