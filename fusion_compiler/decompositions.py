@@ -9,7 +9,8 @@ pointwise ops and last-dim reductions the code generator fuses:
     split, split_with_sizes           -> slices (views)
     var_mean.correction               -> our two-pass form below (no prims in the graph)
 
-GEMMs, attention (scaled_dot_product_attention) and everything else stay as they are.
+GEMMs (baddbmm too, which the core table would turn into an fp32 bmm), attention
+(scaled_dot_product_attention) and everything else stay as they are.
 """
 from __future__ import annotations
 
@@ -67,8 +68,12 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
 
 @functools.lru_cache(maxsize=1)
 def _table() -> dict:
-    # attention stays one ATen op (FlashAttention / memory-efficient kernels on the GPU)
-    table = {op: fn for op, fn in _core().items() if "scaled_dot_product" not in str(op)}
+    # attention stays one ATen op (FlashAttention / memory-efficient kernels on the GPU); so
+    # does baddbmm, a GEMM whose epilogue adds the bias (BLOOM's ALiBi scores): the core
+    # decomposition upcasts bf16 operands to an fp32 bmm, several times slower than cuBLAS's
+    # bf16 baddbmm, which accumulates in fp32 and rounds once, as eager does
+    table = {op: fn for op, fn in _core().items()
+             if "scaled_dot_product" not in str(op) and op.overloadpacket is not aten.baddbmm}
     table.update(get_decompositions(_ops(_EXTRA)))
     table[aten.var_mean.correction] = var_mean_correction
     return table

@@ -464,3 +464,23 @@ def test_report_times_the_passes_by_phase(device):
     assert {"analyze", "sources", "partition"} <= phases.keys(), phases
     assert all(v >= 0 for v in phases.values()), phases
     assert 0 < sum(phases.values()) <= report.compile_seconds, (phases, report.compile_seconds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_baddbmm_stays_one_gemm_and_its_softmax_fuses(dtype, device):
+    """BLOOM's ALiBi scores: baddbmm(bias, q, k) then softmax. The core decomposition would
+    make the GEMM an fp32 bmm of upcast operands (slower on the GPU, numerics not eager's);
+    it stays one ATen baddbmm and the softmax after it is one kernel."""
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(6, 1, 37, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(6, 37, 16, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(6, 16, 37, generator=g).to(device=device, dtype=dtype)
+
+    def scores(bias, q, k):
+        s = torch.baddbmm(bias, q, k, beta=1.0, alpha=0.25)
+        return torch.softmax(s, -1, dtype=torch.float32).to(dtype)
+
+    out, reports = compile_and_run(scores, (bias, q, k))
+    assert [op.split(".")[1] for op in leftover_aten(reports)] == ["baddbmm"]
+    assert kernel_count(reports) == 1
+    assert_close(out, scores(bias, q, k), dtype=dtype)
