@@ -13,7 +13,7 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import coalesce, flatten_index, print_expr
+from .indexing import affine_coeffs, coalesce, flatten_index, print_expr
 from .kernel_ir import KernelIR, NotFusable, ref_id
 from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
@@ -141,6 +141,33 @@ def _header(ir, title, kind):
 
 
 # ---------------------------------------------------------------------------------- kernel
+def memory_order(lk: LoweredKernel, syms: list, sizes: list):
+    """(syms, sizes) of a pointwise kernel in the order its linear index walks them: the
+    largest output's memory order, its dims sorted by their strides, largest first. A
+    channels-last output of a logically NCHW value (ConvNeXt's layer scale and residual) is
+    then written, and inputs of the same layout read, in whole lines, not 2 bytes of every
+    192. Each element is computed on its own, so any order computes the same values; the
+    logical order stays where the strides are not all integers (dynamic shapes) or already
+    in order."""
+    best, order = None, None
+    for store in all_stores(lk):
+        value = lk.ir.values[lk.ir.outputs[store[1]]]
+        coeffs = affine_coeffs(sympy.sympify(store[3]), set(syms)) if syms else None
+        if coeffs is None or not all(isinstance(sympy.sympify(c), sympy.Integer)
+                                     for c in coeffs.values()):
+            continue
+        size = value.dtype.itemsize * sympy.Mul(*value.shape)
+        if not isinstance(size, sympy.Integer):
+            continue
+        if best is None or size > best:
+            best = size
+            strides = [int(coeffs.get(s, 0)) for s in syms]
+            order = sorted(range(len(syms)), key=lambda d: -strides[d])   # stable: ties keep
+    if order is None or order == sorted(order):
+        return syms, sizes
+    return [syms[d] for d in order], [sizes[d] for d in order]
+
+
 def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
     """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
     a persistent kernel's loads written twice, under its HOIST switch (``late_loads``)."""
@@ -150,6 +177,8 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
     exprs += list(preds)
     syms = lk.iter_syms[:-1] if row else lk.iter_syms
     sizes = list(lk.shape[:-1]) if row else list(lk.shape)
+    if not row:
+        syms, sizes = memory_order(lk, list(syms), sizes)
     protected = set().union(*(p.free_symbols for p in preds)) if preds else set()
     new_syms, new_sizes, _ = coalesce(syms, sizes, exprs, protected)
     subs = {s: sympy.Integer(0) for s in syms if s not in new_syms}

@@ -117,3 +117,27 @@ def test_rope_training(dynamic, device):
     ref = rope(q_ref, cos, sin)
     g = torch.randn_like(ref)
     assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(ref, q_ref, g)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_channels_last_pointwise_walks_memory_in_order(dtype, dynamic, device):
+    """ConvNeXt's layer scale and residual: NCHW values stored channels-last. The kernel's
+    linear index walks the output's memory, so the store and the same-layout loads are
+    contiguous (`out0 + xindex`), not strided by the channel count."""
+    x = randn((3, 24, 5, 7), dtype, device).to(memory_format=torch.channels_last)
+    r = randn((3, 24, 5, 7), dtype, device).to(memory_format=torch.channels_last)
+    gamma = randn((24,), dtype, device)
+
+    def layer_scale(x, r, gamma):
+        return r + gamma[:, None, None] * x
+
+    out, reports = compile_and_run(layer_scale, (x, r, gamma), dynamic=dynamic)
+    assert_one_kernel(reports)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, layer_scale(x, r, gamma), dtype=dtype)
+    if not dynamic:     # with symbolic strides the logical order stays
+        (kernel,) = reports[0].kernels
+        source = open(kernel["path"]).read()
+        assert "tl.store(out0 + xindex," in source, source
+        assert "x1 = tl.load(in0 + xindex," in source or "tl.load(in1 + xindex," in source
