@@ -108,8 +108,10 @@ def _compile_kernels(ctx) -> None:
 
 
 def _op(node) -> str:
-    """'aten.mul.Tensor' -> 'mul' for an op's node; '' for inputs and constants."""
-    return str(node.target).split(".")[1] if node.op == "call_function" else ""
+    """'aten.mul.Tensor' -> 'mul' for an ATen op's node; '' for anything else (inputs,
+    constants, ``operator.getitem``)."""
+    parts = str(node.target).split(".") if node.op == "call_function" else ()
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _gated(group) -> bool:
