@@ -170,7 +170,7 @@ class Wrapped(torch.nn.Module):
         return out.last_hidden_state if pooled is None else (out.last_hidden_state, pooled)
 
 
-def build(name, dtype, model_class=None):
+def build(name, dtype, model_class=None, dropout=False):
     cfg_name, model_name, options, _, _ = ZOO[name]
     if not hasattr(T, cfg_name) or not hasattr(T, model_class or model_name):
         pytest.skip(f"transformers {T.__version__} has no {model_class or model_name}")
@@ -179,7 +179,7 @@ def build(name, dtype, model_class=None):
     cfg = getattr(T, cfg_name)(**options)
     for key, value in list(vars(cfg).items()):        # no dropout: eager and compiled agree
         if "drop" in key and isinstance(value, float):
-            setattr(cfg, key, 0.0)
+            setattr(cfg, key, 0.1 if dropout and "layerdrop" not in key else 0.0)
     if attn:
         cfg._attn_implementation = attn
     torch.manual_seed(0)
@@ -204,8 +204,8 @@ def inputs(name, dtype):
     return out
 
 
-def wrapped(name, dtype):
-    model = build(name, dtype)
+def wrapped(name, dtype, dropout=False):
+    model = build(name, dtype, dropout=dropout)
     kw = inputs(name, dtype)
     takes_cache = "use_cache" in model.forward.__code__.co_varnames
     module = Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {})
@@ -279,6 +279,29 @@ def test_training_step_matches_eager(name):
     for n, g in want.items():
         assert got[n].grad is not None, f"{n}: no gradient"
         assert_close(got[n].grad, g, atol=1e-3 * scale, rtol=1e-4, name=f"grad of {n}")
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_training_with_dropout_compiles_both_graphs(name):
+    """Fine-tuning as users run it, dropout on (its masks and scaling in the graphs, read
+    through getitem): both graphs compile, the forward fuses the model's norms, nothing of a
+    norm or activation stays on ATen, and the gradients are finite. Random masks differ from eager's, so values are not compared."""
+    module, args = wrapped(name, torch.float32, dropout=True)
+    module.train()
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = as_tuple(torch.compile(module, backend="fusion", fullgraph=True)(*args))
+        loss(out).backward()
+    assert [r.error for r in reports if r.error] == []
+    assert sorted(r.kind for r in reports) == ["backward", "forward"]
+    norms = sum(v for k, v in ZOO[name][4].items() if "norm" in k)
+    forward = fused_labels(reports, "forward")
+    # every norm fused; at least as many kernels (Swin's embedding dropout parts two
+    # LayerNorms that share a kernel without it)
+    assert sum(v for k, v in forward.items() if "norm" in k) >= norms, forward
+    assert not left_on_aten(reports) & NORM_AND_ACTIVATION
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.parametrize("name, lm", GENERATED)
