@@ -171,6 +171,10 @@ def render_table(doc) -> str:
         if s.get("empty"):
             out += ["", f"no elements, allocated instead of computed ({len(s['empty'])}): "
                         + ", ".join(s["empty"])]
+        if s.get("passed_through"):
+            out += ["", "concatenations with empty tensors that attention reads: the one "
+                        f"tensor passed through, not copied ({len(s['passed_through'])}): "
+                        + ", ".join(s["passed_through"])]
         out += ["", f"refused fusions ({len(s['refused'])}; score: estimated time the fusion "
                     "would have saved)"]
         sections = refused_sections(s)

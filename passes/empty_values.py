@@ -6,7 +6,9 @@ no program). A softmax over (0, 4096, 1024) is six such calls in the decomposed 
 us on the H200's host, against 1.3 us for eager's one op and Inductor's call. Here a node whose
 output has no elements, of an op the fusion pass would take (pointwise, injective, reduction,
 by ``fc_kind``), becomes one ``empty_strided`` of the traced size, strides, dtype and device;
-the nodes only it read become dead and are removed.
+the nodes only it read become dead and are removed. A concatenation of one tensor with empty
+ones that only attention reads (a KV cache's first update) is that tensor
+(``_pass_through_cats``).
 
 Left alone:
 - views and expand: their output aliases their input, which the caller may rely on;
@@ -32,6 +34,7 @@ _COMPUTED = (OpKind.POINTWISE, OpKind.INJECTIVE, OpKind.REDUCTION)
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Replace the computed empty values of ``gm`` in place; ``ctx.empty_values`` names them."""
+    passed = _pass_through_cats(gm, ctx)
     replaced = set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.meta.get("fc_kind") not in _COMPUTED:
@@ -54,16 +57,55 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         gm.graph.erase_node(node)
         replaced.add(empty)
         ctx.empty_values.append(node.name)
-    if not replaced:
+    if not replaced and not passed:
         return gm
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_function" and not node.users \
                 and (node in replaced or is_pure(node.target)):
             gm.graph.erase_node(node)
     gm.recompile()
-    log.info("fusion-compiler: %d values with no elements allocated instead of computed",
-             len(replaced))
+    log.info("fusion-compiler: %d values with no elements allocated instead of computed, %d "
+             "concatenations with empty tensors passed through", len(replaced), len(passed))
     return gm
+
+
+# attention reads its key and value (arguments 1 and 2) at any strides, and lays out its
+# output by the query alone
+_ATTENTION_KV = (1, 2)
+
+
+def _pass_through_cats(gm: torch.fx.GraphModule, ctx) -> set:
+    """A KV cache's update with nothing cached: ``cat([empty, k], -2)`` (transformers' BART
+    and Whisper layers, even with ``use_cache=False``) copies ``k`` to read it once, in
+    attention. Where every reader is attention reading it as key or value, attention reads
+    ``k`` itself (its layout is not the cat's, so no other reader qualifies: one laid out by
+    its input, or a view, would see other strides than traced). ``ctx.passed_through``
+    names them."""
+    done = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        tensors = node.args[0]
+        info = node.meta.get("fc_tensor")
+        kept = [t for t in tensors
+                if not (isinstance(t, torch.fx.Node) and "fc_tensor" in t.meta
+                        and _static_empty(t.meta["fc_tensor"]))]
+        if info is None or len(tensors) < 2 or len(kept) != 1 \
+                or not isinstance(kept[0], torch.fx.Node):
+            continue
+        own = kept[0].meta.get("fc_tensor")
+        if own is None or own.shape != info.shape or own.dtype != info.dtype:
+            continue
+        if not node.users or not all(
+                "scaled_dot_product" in str(user.target) and node not in user.kwargs.values()
+                and all(i in _ATTENTION_KV for i, a in enumerate(user.args) if a is node)
+                for user in node.users):
+            continue
+        node.replace_all_uses_with(kept[0])
+        gm.graph.erase_node(node)
+        done.add(kept[0])
+        ctx.passed_through.append(node.name)
+    return done
 
 
 def _static_empty(info) -> bool:

@@ -831,3 +831,35 @@ def test_diff_with_prepend_fuses(device):
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) >= 1
     assert torch.equal(out, f(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_first_update_passes_the_keys_to_attention_uncopied(dtype, device):
+    """transformers' BART layers update an empty cache even with use_cache=False:
+    cat([tensor([]), k], -2) copies k for attention to read once. Attention reads k itself
+    (a transposed view), the cat is gone from the graph and named in the report, and the
+    result is eager's. Where something else reads the cat, it stays."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 7, 16, generator=g).to(device=device, dtype=dtype)
+    kv = torch.randn(2, 7, 64, generator=g).to(device=device, dtype=dtype)
+
+    def attend(q, kv, also_returned=False):
+        empty = torch.tensor([], dtype=kv.dtype, device=kv.device)
+        k = torch.cat([empty, kv.view(2, 7, 4, 16).transpose(1, 2)], dim=-2)
+        v = torch.cat([empty, (kv * 2).view(2, 7, 4, 16).transpose(1, 2)], dim=-2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return (out, k) if also_returned else out
+
+    out, reports = compile_and_run(attend, (q, kv))
+    (report,) = reports
+    assert len(report.summary["passed_through"]) == 2
+    assert not [op for op in report.aten_ops if ".cat." in op]
+    assert_close(out, attend(q, kv), dtype=dtype)
+
+    def attend_and_return_k(q, kv):
+        return attend(q, kv, also_returned=True)
+
+    out, reports = compile_and_run(attend_and_return_k, (q, kv))
+    assert len(reports[0].summary["passed_through"]) == 1        # v only: k is returned
+    for a, e in zip(out, attend_and_return_k(q, kv)):
+        assert_close(a, e, dtype=dtype)
