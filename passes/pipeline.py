@@ -5,7 +5,8 @@ import time
 
 import torch
 
-from . import classify, constant_fold, empty_values, fuse, generate, pad_gemm, partition, shapes
+from . import (classify, constant_fold, dedupe, empty_values, fuse, generate, pad_gemm, partition,
+               shapes)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -15,6 +16,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
     gm = empty_values.run(gm, ctx)  # values with no elements: allocated, not computed
+    gm = dedupe.run(gm, ctx)        # identical computations computed once
     gm = fuse.run(gm, ctx)          # priority fusion into groups, every decision recorded
     return gm
 

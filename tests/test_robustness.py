@@ -863,3 +863,42 @@ def test_kv_cache_first_update_passes_the_keys_to_attention_uncopied(dtype, devi
     assert len(reports[0].summary["passed_through"]) == 1        # v only: k is returned
     for a, e in zip(out, attend_and_return_k(q, kv)):
         assert_close(a, e, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identical_computations_are_computed_once(dtype, device):
+    """T5's layers each mask the shared position bias the same way and copy it for their
+    attention: one masked copy is computed and written, not one per layer (they were written
+    by one kernel and alive at once)."""
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(2, 3, 5, 5, generator=g).to(device=device, dtype=dtype)
+    keep = torch.rand(2, 1, 1, 5, generator=g).to(device) > 0.3
+    xs = [torch.randn(2, 3, 5, 5, generator=g).to(device=device, dtype=dtype) for _ in range(3)]
+
+    def layers(bias, keep, a, b, c):
+        out = []
+        for x in (a, b, c):
+            masked = torch.where(keep, bias, torch.finfo(bias.dtype).min).clone()
+            out.append(torch.softmax(x + masked, -1))
+        return out
+
+    out, reports = compile_and_run(layers, (bias, keep, *xs))
+    (report,) = reports
+    ops = [op for k in report.kernels for op in k["ops"]]
+    assert sum(op == "aten.where.self" for op in ops) == 1, ops
+    assert kernel_count(reports) == 1                   # the three softmaxes, the mask once
+    for a, e in zip(out, layers(bias, keep, *xs)):
+        assert_close(a, e, dtype=dtype)
+
+
+def test_identical_outputs_stay_distinct_tensors(device):
+    """Two equal results the caller gets are two tensors: writing to one leaves the other."""
+    x = torch.randn(4, 7, device=device)
+
+    def twice(x):
+        return x.exp() + 1, x.exp() + 1
+
+    (a, b), _ = compile_and_run(twice, (x,))
+    assert a.data_ptr() != b.data_ptr()
+    b.zero_()
+    assert_close(a, x.exp() + 1)
