@@ -17,6 +17,10 @@ TINY = os.environ.get("TINY") == "1"
 
 
 class Wrapped(torch.nn.Module):
+    """forward(*tensors) -> the model's last hidden state, and its pooled output if it has
+    one (so the pooler's ops are compiled, not dropped as unused). tests/test_zoo.py uses it
+    too."""
+
     def __init__(self, model, names, options):
         super().__init__()
         self.model, self.names, self.options = model, names, options
@@ -27,20 +31,31 @@ class Wrapped(torch.nn.Module):
         return out.last_hidden_state if pooled is None else (out.last_hidden_state, pooled)
 
 
+def set_dropout(cfg, p: float):
+    """Every dropout probability of a transformers config set to ``p``; LayerDrop to 0 (a
+    branch on a random value, which a full graph cannot hold)."""
+    for key, value in list(vars(cfg).items()):
+        if "drop" in key and isinstance(value, float):
+            setattr(cfg, key, 0.0 if "layerdrop" in key else p)
+    return cfg
+
+
+def wrap(model, kw: dict):
+    """(module, inputs): ``model`` taking the tensors of ``kw`` positionally (``Wrapped``),
+    without its KV cache where its forward takes ``use_cache``."""
+    takes_cache = "use_cache" in model.forward.__code__.co_varnames
+    return Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {}), tuple(kw.values())
+
+
 def _make(cfg_name, model_name, config, tiny, inputs, device, dtype, attn=None):
     import transformers as T
 
-    cfg = getattr(T, cfg_name)(**(dict(config, **tiny) if TINY else config))
-    for key, value in list(vars(cfg).items()):
-        if "drop" in key and isinstance(value, float):
-            setattr(cfg, key, 0.0)
+    cfg = set_dropout(getattr(T, cfg_name)(**(dict(config, **tiny) if TINY else config)), 0.0)
     if attn:
         cfg._attn_implementation = attn
     torch.manual_seed(0)
     model = getattr(T, model_name)(cfg).to(device=device, dtype=dtype).eval()
-    kw = inputs(cfg, device, dtype)
-    takes_cache = "use_cache" in model.forward.__code__.co_varnames
-    return Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {}), tuple(kw.values())
+    return wrap(model, inputs(cfg, device, dtype))
 
 
 def _ids(batch, seq, mask=False, decoder=0):

@@ -62,7 +62,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         kept = [n for n in values if any(u not in values for u in n.users)]
         # a value that is, or is aliased by, an output is computed at run time; so is a lone
         # factory call, which a kernel reading it computes for free (a literal, an index)
-        left = [n for n in kept if _reaches_output(n, outputs) or n.target in FACTORIES]
+        left = [n for n in kept if reaches_output(n, outputs) or n.target in FACTORIES]
         if not left:
             break
         for n in left:
@@ -88,7 +88,7 @@ def factories(gm: torch.fx.GraphModule) -> int:
     kept = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in FACTORIES \
-                or node.all_input_nodes or _reaches_output(node, outputs):
+                or node.all_input_nodes or reaches_output(node, outputs):
             continue
         value = _evaluate(node, {})
         if value is not None:
@@ -145,9 +145,9 @@ def _evaluate(node, values):
     return value
 
 
-def _reaches_output(node, outputs) -> bool:
+def reaches_output(node, outputs) -> bool:
     """Whether ``node``'s tensor, or a view of it, is a graph output."""
-    return node in outputs or any(_aliases(u) and _reaches_output(u, outputs) for u in node.users)
+    return node in outputs or any(_aliases(u) and reaches_output(u, outputs) for u in node.users)
 
 
 def _aliases(node) -> bool:

@@ -146,14 +146,15 @@ _FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t
 
 
 @functools.lru_cache(maxsize=4096)
-def _op_name(target) -> str:
+def op_name(target) -> str:
+    """'aten.mul.Tensor' -> 'mul'; a target without a namespace as its text."""
     text = str(target)
     return text.split(".")[1] if "." in text else text
 
 
 def op_flops(node, size_hints: dict) -> int:
     """FLOPs of one op per the model above: its output elements, times its weight."""
-    name = _op_name(node.target)
+    name = op_name(node.target)
     if name in _FREE or "fc_tensor" not in node.meta:
         return 0
     if name == "pow":       # codegen/ops.py's _pow: a few exponents are a product or the like

@@ -7,7 +7,7 @@ twelve copies were written by one kernel and alive at once (BERT-size batches: 3
 an uninitialized allocation) whose target and arguments equal an earlier one's is replaced by
 that one, in graph order, so chains of duplicates fold from their roots.
 
-Left alone: a node that is a graph output or aliases one (``constant_fold._reaches_output``):
+Left alone: a node that is a graph output or aliases one (``constant_fold.reaches_output``):
 two outputs would be one tensor, and a caller writing to one would change the other; and one
 that an op writing to its arguments reads.
 """
@@ -17,14 +17,13 @@ import logging
 
 import torch
 
-from .constant_fold import _reaches_output, graph_outputs, is_pure
+from .constant_fold import reaches_output, graph_outputs, is_pure
 
 log = logging.getLogger("fusion_compiler")
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    """Replace duplicate pure computations of ``gm`` in place; ``ctx.deduplicated`` counts
-    them."""
+    """Replace duplicate pure computations of ``gm`` in place (the log says how many)."""
     outputs = graph_outputs(gm)
     seen: dict = {}
     removed = 0
@@ -38,7 +37,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if first is None:
             seen[key] = node
             continue
-        if _reaches_output(node, outputs) or _reaches_output(first, outputs) \
+        if reaches_output(node, outputs) or reaches_output(first, outputs) \
                 or _written(node) or _written(first):
             continue
         node.replace_all_uses_with(first)
@@ -47,7 +46,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if removed:
         gm.recompile()
         log.info("fusion-compiler: %d duplicate computations removed", removed)
-    ctx.deduplicated += removed
     return gm
 
 

@@ -15,6 +15,7 @@ from ..codegen import autotune, compile_pool, precompile
 from ..codegen.kernel_ir import NotFusable, canonical_hints
 from ..codegen.launch import LEAN
 from ..codegen.render import generate
+from .cost_model import op_name
 from .partition import symbols_available
 
 log = logging.getLogger("fusion_compiler")
@@ -108,10 +109,8 @@ def _compile_kernels(ctx) -> None:
 
 
 def _op(node) -> str:
-    """'aten.mul.Tensor' -> 'mul' for an ATen op's node; '' for anything else (inputs,
-    constants, ``operator.getitem``)."""
-    parts = str(node.target).split(".") if node.op == "call_function" else ()
-    return parts[1] if len(parts) > 1 else ""
+    """'mul' for an ``aten.mul.Tensor`` node; '' for inputs and constants."""
+    return op_name(node.target) if node.op == "call_function" else ""
 
 
 def _gated(group) -> bool:

@@ -9,7 +9,9 @@ backward) and generates with a KV cache (shapes changing every step).
 Needs transformers (the `test` extra); a model its installed version lacks, or cannot run
 eagerly, is skipped with the reason.
 """
+import importlib.util
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,11 @@ import fusion_compiler
 from helpers import as_tuple, assert_close, compile_and_run
 
 T = pytest.importorskip("transformers")
+# the module wrapping and dropout settings benchmarks/hf_zoo.py builds its models with
+_SPEC = importlib.util.spec_from_file_location(
+    "hf_zoo", Path(__file__).resolve().parents[1] / "benchmarks" / "hf_zoo.py")
+HF_ZOO = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(HF_ZOO)
 
 # Only on the CPU, in Triton's interpreter: on a GPU machine the examples' GPU tests cover the
 # launch path (there the attention of some of these models is traced in another form).
@@ -153,20 +160,6 @@ GENERATED = [("llama", "LlamaForCausalLM"), ("gpt_neox", "GPTNeoXForCausalLM"),
              ("bloom", "BloomForCausalLM"), ("phi3", "Phi3ForCausalLM")]
 
 
-class Wrapped(torch.nn.Module):
-    """forward(*tensors) -> the model's last hidden state, and its pooled output if it has
-    one (so the pooler's ops are compiled, not dropped as unused)."""
-
-    def __init__(self, model, names, options):
-        super().__init__()
-        self.model, self.names, self.options = model, names, options
-
-    def forward(self, *tensors):
-        out = self.model(**dict(zip(self.names, tensors)), **self.options)
-        pooled = getattr(out, "pooler_output", None)
-        return out.last_hidden_state if pooled is None else (out.last_hidden_state, pooled)
-
-
 def build(name, dtype, model_class=None, dropout=False):
     cfg_name, model_name, options, _, _ = ZOO[name]
     if not hasattr(T, cfg_name) or not hasattr(T, model_class or model_name):
@@ -174,9 +167,7 @@ def build(name, dtype, model_class=None, dropout=False):
     options = dict(options)
     attn = options.pop("attn_implementation", None)
     cfg = getattr(T, cfg_name)(**options)
-    for key, value in list(vars(cfg).items()):        # no dropout: eager and compiled agree
-        if "drop" in key and isinstance(value, float):
-            setattr(cfg, key, 0.1 if dropout and "layerdrop" not in key else 0.0)
+    HF_ZOO.set_dropout(cfg, 0.1 if dropout else 0.0)     # none: eager and compiled agree
     if attn:
         cfg._attn_implementation = attn
     torch.manual_seed(0)
@@ -203,10 +194,7 @@ def inputs(name, dtype):
 
 def wrapped(name, dtype, dropout=False):
     model = build(name, dtype, dropout=dropout)
-    kw = inputs(name, dtype)
-    takes_cache = "use_cache" in model.forward.__code__.co_varnames
-    module = Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {})
-    args = tuple(kw.values())
+    module, args = HF_ZOO.wrap(model, inputs(name, dtype))
     try:
         with torch.no_grad():
             module.eval()(*args)
