@@ -266,6 +266,18 @@ def gluon_fp8(text):
     return (Path(__file__).resolve().parent / "gluon_fp8.py").read_text()
 
 
+def tma(stages=2, per_sm=0, store=False, warps=4, xblock=1):
+    """The whole module replaced by benchmarks/tma_rows.py: the row loaded by TMA into shared
+    memory; with ``per_sm`` a persistent grid whose programs keep ``stages`` rows in flight."""
+    def rewrite(text):
+        t = (Path(__file__).resolve().parent / "tma_rows.py").read_text()
+        for name, value in (("STAGES", stages), ("PER_SM", per_sm), ("TMA_STORE", store),
+                            ("WARPS", warps), ("XBLOCK", xblock)):
+            t = re.sub(rf"^{name} = .*$", f"{name} = {value!r}", t, count=1, flags=re.M)
+        return t
+    return rewrite
+
+
 def libdevice_tanh(text):
     """``fl.tanh`` (libdevice's tanhf without its branch, codegen/triton_lib.py) back to
     libdevice's own: the comparison that chose the branch-free form."""
@@ -356,6 +368,13 @@ VARIANTS = {
         "L2 prefetch 1584": [l2_prefetch(1584)],
         "L2 prefetch 3168": [l2_prefetch(3168)],
         "L2 prefetch 6336": [l2_prefetch(6336)],
+        # session 20: rows loaded by TMA (benchmarks/tma_rows.py)
+        "tma, 2 rows a program": [tma(1, xblock=2)],
+        # 2 rows on 4 warps: 40 registers (12 blocks an SM); 1 row on 1 warp: 64 (32)
+        "tma, 2 rows, persistent 12/SM, 2 stages": [tma(2, 12, xblock=2)],
+        "tma, 2 rows, persistent 12/SM, 3 stages": [tma(3, 12, xblock=2)],
+        "tma, 1 row w1, persistent 32/SM, 3 stages": [tma(3, 32, warps=1)],
+        "tma, 2 rows, persistent 12/SM, 2 stages, tma store": [tma(2, 12, True, xblock=2)],
     },
     "add_rmsnorm": {
         "w4": [rows(1, 4)],
@@ -446,6 +465,13 @@ VARIANTS = {
         # gluon 53.3 / 53.41 / 49.78, control 53.3 / 53.48 / 50.66, no reductions 52.2 / 52.43 /
         # 49.10: by its own time the Gluon kernel is within 0.7 us of the ceiling
         "gluon, two barriers": [gluon_fp8],
+        # session 20: rows loaded by TMA (benchmarks/tma_rows.py)
+        "tma, a row a program": [tma(stages=1)],
+        # 64 registers a thread with 2 stages (8 blocks an SM), 72 with 3 (7), sm_90, CPU
+        "tma, persistent 8/SM, 2 stages": [tma(2, 8)],
+        "tma, persistent 7/SM, 3 stages": [tma(3, 7)],
+        "tma, persistent 4/SM, 3 stages": [tma(3, 4)],
+        "tma, persistent 8/SM, 2 stages, tma store": [tma(2, 8, True)],
         "plain max, no scaling factor (gluon's control)": [
             TL_MAX, (r"fl\.div_shared\((\w+), \w+, (\w+)\)", r"(\1 * \2)")],
     },
