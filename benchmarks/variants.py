@@ -370,6 +370,10 @@ VARIANTS = {
         "L2 prefetch 6336": [l2_prefetch(6336)],
         # session 20: rows loaded by TMA (benchmarks/tma_rows.py)
         "tma, 2 rows a program": [tma(1, xblock=2)],
+        "tma, 1 row w1": [tma(1, warps=1)],
+        "tma, 1 row w2": [tma(1, warps=2)],
+        "tma, 2 rows w2": [tma(1, warps=2, xblock=2)],
+        "tma, 4 rows w8": [tma(1, warps=8, xblock=4)],
         # 2 rows on 4 warps: 40 registers (12 blocks an SM); 1 row on 1 warp: 64 (32)
         "tma, 2 rows, persistent 12/SM, 2 stages": [tma(2, 12, xblock=2)],
         "tma, 2 rows, persistent 12/SM, 3 stages": [tma(3, 12, xblock=2)],
