@@ -42,9 +42,10 @@ def set_dropout(cfg, p: float):
 
 def wrap(model, kw: dict):
     """(module, inputs): ``model`` taking the tensors of ``kw`` positionally (``Wrapped``),
-    without its KV cache where its forward takes ``use_cache``."""
-    takes_cache = "use_cache" in model.forward.__code__.co_varnames
-    return Wrapped(model, list(kw), {"use_cache": False} if takes_cache else {}), tuple(kw.values())
+    with its forward's defaults: a decoder builds its KV cache, as generation's prefill does
+    (an earlier check meant to turn the cache off looked for ``use_cache`` in the code object
+    of transformers' forward wrapper, so it never did: every zoo measurement ran this way)."""
+    return Wrapped(model, list(kw), {}), tuple(kw.values())
 
 
 def _make(cfg_name, model_name, config, tiny, inputs, device, dtype, attn=None):

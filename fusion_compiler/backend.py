@@ -49,6 +49,7 @@ class CompileContext:
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
     empty_values: list = field(default_factory=list)    # node names, empty_values
     passed_through: list = field(default_factory=list)  # cats with empty tensors, empty_values
+    trimmed_cats: list = field(default_factory=list)    # cats without their empty inputs, empty_values
     seconds: dict = field(default_factory=dict)     # phase -> seconds (pipeline.compile_graph)
     # Triton kernels compiled at compile time: by worker processes (codegen/compile_pool.py), all
     compiled: list = field(default_factory=lambda: [0, 0])

@@ -175,6 +175,9 @@ def render_table(doc) -> str:
             out += ["", "concatenations with empty tensors that attention reads: the one "
                         f"tensor passed through, not copied ({len(s['passed_through'])}): "
                         + ", ".join(s["passed_through"])]
+        if s.get("trimmed_cats"):
+            out += ["", "concatenations whose empty inputs were dropped, so that a kernel computes "
+                        f"them ({len(s['trimmed_cats'])}): " + ", ".join(s["trimmed_cats"])]
         out += ["", f"refused fusions ({len(s['refused'])}; score: estimated time the fusion "
                     "would have saved)"]
         sections = refused_sections(s)

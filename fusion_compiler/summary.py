@@ -105,6 +105,7 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
         "empty": list(ctx.empty_values),
         "passed_through": list(ctx.passed_through),
+        "trimmed_cats": list(ctx.trimmed_cats),
         "totals": {
             "fusible_ops": len(in_groups),
             "kernels_before": len(in_groups),
@@ -120,7 +121,7 @@ def failed(ctx, error: str) -> dict:
     """The summary of a graph the compiler could not compile (it runs on ATen unfused)."""
     return {"kind": ctx.kind, "profile": ctx.profile.name, "error": error, "groups": [],
             "aten_ops": [], "refused": [], "edges": [], "constants": [], "empty": [],
-            "passed_through": [],
+            "passed_through": [], "trimmed_cats": [],
             "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,
                        "bytes_before": 0, "bytes_after": 0,
                        "time_before_us": 0.0, "time_after_us": 0.0}}

@@ -8,7 +8,8 @@ output has no elements, of an op the fusion pass would take (pointwise, injectiv
 by ``fc_kind``), becomes one ``empty_strided`` of the traced size, strides, dtype and device;
 the nodes only it read become dead and are removed. A concatenation of one tensor with empty
 ones that only attention reads (a KV cache's first update) is that tensor
-(``_pass_through_cats``).
+(``_pass_through_cats``); any other concatenation drops its empty inputs (``_trim_cats``), so
+that it can join a kernel: a kernel refuses empty tensors.
 
 Left alone:
 - views and expand: their output aliases their input, which the caller may rely on;
@@ -35,6 +36,7 @@ _COMPUTED = (OpKind.POINTWISE, OpKind.INJECTIVE, OpKind.REDUCTION)
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Replace the computed empty values of ``gm`` in place; ``ctx.empty_values`` names them."""
     passed = _pass_through_cats(gm, ctx)
+    trimmed = _trim_cats(gm, ctx)
     replaced = set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.meta.get("fc_kind") not in _COMPUTED:
@@ -57,7 +59,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         gm.graph.erase_node(node)
         replaced.add(empty)
         ctx.empty_values.append(node.name)
-    if not replaced and not passed:
+    if not replaced and not passed and not trimmed:
         return gm
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_function" and not node.users \
@@ -106,6 +108,33 @@ def _pass_through_cats(gm: torch.fx.GraphModule, ctx) -> set:
         done.add(kept[0])
         ctx.passed_through.append(node.name)
     return done
+
+
+def _trim_cats(gm: torch.fx.GraphModule, ctx) -> bool:
+    """A concatenation that is read by more than attention (transformers' KV cache update,
+    where the cache is a graph output: a Dynamo graph break inside the cache's constructor
+    leaves it alive past the graph) still copies; without its empty inputs it is an injective
+    op a kernel can compute, such as the kernel that computes its one remaining input (a
+    key after RoPE). Only where every remaining input has the output's dtype (torch.cat
+    promotes over empty inputs too) and the output's traced layout stays the node's own.
+    ``ctx.trimmed_cats`` names them."""
+    trimmed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        info = node.meta.get("fc_tensor")
+        tensors = node.args[0]
+        if info is None or _static_empty(info) or not all(
+                isinstance(t, torch.fx.Node) and "fc_tensor" in t.meta for t in tensors):
+            continue
+        kept = [t for t in tensors if not _static_empty(t.meta["fc_tensor"])]
+        if len(kept) == len(tensors) or not kept \
+                or any(t.meta["fc_tensor"].dtype != info.dtype for t in kept):
+            continue
+        node.args = (kept,) + tuple(node.args[1:])
+        ctx.trimmed_cats.append(node.name)
+        trimmed = True
+    return trimmed
 
 
 def _static_empty(info) -> bool:

@@ -866,6 +866,55 @@ def test_kv_cache_first_update_passes_the_keys_to_attention_uncopied(dtype, devi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_update_that_is_returned_joins_the_kernel_of_its_keys(dtype, device):
+    """A KV cache whose update is a graph output (a graph break in transformers' cache
+    constructor leaves the cache alive past the graph): cat([tensor([]), k], -2) must be
+    written, but without its empty input it is a copy that the kernel computing k (RoPE
+    here) writes directly, and the value's copy is one kernel, not an ATen cat. Odd sizes."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 7, 10, generator=g).to(device=device, dtype=dtype)
+    kv = torch.randn(2, 7, 30, generator=g).to(device=device, dtype=dtype)
+    cos = torch.randn(7, 10, generator=g).to(device=device, dtype=dtype)
+    sin = torch.randn(7, 10, generator=g).to(device=device, dtype=dtype)
+
+    def rope(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def layer(q, kv):
+        empty = torch.tensor([], dtype=kv.dtype, device=kv.device)
+        k = rope(kv.view(2, 7, 3, 10).transpose(1, 2))
+        k = torch.cat([empty, k], dim=-2)
+        v = torch.cat([empty, (kv + 1).view(2, 7, 3, 10).transpose(1, 2)], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v), k, v
+
+    out, reports = compile_and_run(layer, (q, kv))
+    (report,) = reports
+    assert len(report.summary["trimmed_cats"]) == 2
+    assert not report.summary["passed_through"]
+    assert not [op for op in report.aten_ops if ".cat." in op]
+    assert kernel_count(reports) == 1      # RoPE writing the cached keys, and the values (both read kv)
+    for a, e in zip(out, layer(q, kv)):
+        assert a.stride() == e.stride()
+        assert_close(a, e, dtype=dtype)
+
+
+def test_cat_keeps_a_dtype_its_empty_inputs_promote_to(device):
+    """torch.cat promotes over empty inputs too: a float32 empty tensor makes the bf16 keys'
+    copy float32, so the empty input is kept (and the cat stays on ATen), never dropped."""
+    kv = torch.randn(2, 5, 6, device=device).to(torch.bfloat16)
+
+    def f(kv):
+        empty = torch.tensor([], dtype=torch.float32, device=kv.device)
+        return torch.cat([empty, kv * 2], dim=-2)
+
+    out, reports = compile_and_run(f, (kv,))
+    assert not reports[0].summary["trimmed_cats"]
+    assert out.dtype == torch.float32
+    assert_close(out, f(kv), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_identical_computations_are_computed_once(dtype, device):
     """T5's layers each mask the shared position bias the same way and copy it for their
     attention: one masked copy is computed and written, not one per layer (they were written
