@@ -85,8 +85,8 @@ def _override(module: dict, kind: str, table: dict) -> None:
     if kind == "row":
         rule = L.row_settings
 
-        def row_settings(rows, n, max_persistent_block):
-            return table.get((rows, n)) or rule(rows, n, max_persistent_block)
+        def row_settings(rows, n, max_persistent_block, strided=False):
+            return table.get((rows, n)) or rule(rows, n, max_persistent_block, strided)
         module["row_settings"] = row_settings
     else:
         rule = L.pointwise_settings
@@ -186,7 +186,8 @@ def _tune_one(ctx, g, kernel: dict, time_fn) -> int:
         return 0
     sizes = _sizes(kind, calls[0])
     kwargs = calls[0][3]
-    rule = (L.row_settings(*sizes, ctx.config.max_persistent_block) if kind == "row"
+    rule = (L.row_settings(*sizes, ctx.config.max_persistent_block, module.get("STRIDED", False))
+            if kind == "row"
             else (kwargs["BLOCK"], kwargs["num_warps"]))       # the launcher's own rule
     if kind == "row" and rule[2]:
         return 0                        # looped kernels: settings are not their limit

@@ -17,6 +17,9 @@ LOOPED_RBLOCK = 2048        # columns per loop step of a looped row kernel
 ROW_ELEMS = 2048            # elements a persistent row program aims to hold (rows x RBLOCK);
                             # softmax rows of 1024 on the H200: 2 rows, 4 warps 101% of the
                             # floor, 4 rows, 8 warps 98%
+STRIDED_ROWS = 32          # rows a program takes at least where a row's elements lie apart and
+                            # consecutive rows side by side (a norm over NCHW channels):
+                            # each column is then one contiguous run of STRIDED_ROWS elements
 POINTWISE_BLOCK = 2048      # bias+GELU 16384 x 11008 on the H200: 91% of the floor at 1024, 97%
 PROGRAM_BYTES = 4096        # bytes of full-size inputs a pointwise program aims to load (below)
 
@@ -59,8 +62,12 @@ def few_programs(grid: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_settings(rows: int, n: int, max_persistent_block: int):
+def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = False):
     """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``.
+    ``strided``: the row's elements lie apart in memory and consecutive rows side by side
+    (render.strided_rows): a program takes at least ``STRIDED_ROWS`` rows, so that each of its
+    loads of a column reads a contiguous run, not 2 or 4 elements of every 32-byte sector
+    (ConvNeXt's LayerNorm over channels of 768: 2 rows a program by the element budget).
 
     A grid of at most 4 programs per SM gets twice the warps (4 -> 8 for rows of 4096): with
     few rows in flight, more warps per row keep more loads in flight. add+RMSNorm over rows of
@@ -70,7 +77,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int):
     rblock = _next_pow2(max(n, 1))
     if rblock > max_persistent_block:
         return 1, LOOPED_RBLOCK, True, 8
-    xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
+    xblock = min(_next_pow2(rows), max(STRIDED_ROWS if strided else 1, ROW_ELEMS // rblock))
     warps = _warps(xblock * rblock)
     if xblock * rblock >= 2048 and few_programs(-(-rows // xblock)):
         warps = min(2 * warps, 32)

@@ -44,11 +44,12 @@ def _max_offset(shape, stride):
 
 
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
-                    hoists: bool = False) -> str:
+                    hoists: bool = False, strided: bool = False) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
-    persistent row kernel has a HOIST switch, set on small grids."""
+    persistent row kernel has a HOIST switch, set on small grids; ``strided``: its rows' elements
+    lie apart and consecutive rows side by side (``row_settings``; the module's ``STRIDED``)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -153,7 +154,8 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         lines += [f"    R = {py_expr(sympy.Mul(*shape[:-1]))}",
                   f"    N = {py_expr(shape[-1])}",
                   "    if R > 0:",
-                  f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block})",
+                  f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block}"
+                  + (", STRIDED)" if strided else ")"),
                   "        grid = (R + XBLOCK - 1) // XBLOCK"]
         settings = ["XBLOCK", "RBLOCK", "num_warps"]
         constexprs = ["XBLOCK", "RBLOCK", "index64"]

@@ -34,6 +34,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
     kind, shape = iteration_space(ir)
     kernels = []
     late = []               # a persistent kernel's loads after its reduction (HOIST)
+    strided = False         # its rows' elements lie apart, consecutive rows side by side
     if kind == "pointwise":
         kernels.append(("pointwise", _render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
@@ -42,14 +43,34 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
         if not n.is_Integer or fits:
             lk = Lowering(ir, hints, True).run()
             late = late_loads(lk)
+            strided = strided_rows(lk)
             kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
         if not fits:
             kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
-                                max_persistent_block, bool(late))
+                                max_persistent_block, bool(late), strided)
+    if strided:
+        launcher = "STRIDED = True\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
+
+
+def strided_rows(lk: LoweredKernel) -> bool:
+    """Whether a row kernel loads a row whose elements lie apart in memory (a stride above 1
+    along the columns) while consecutive rows lie side by side (a stride of 1 along the last
+    row dimension): a LayerNorm over the channels of an NCHW tensor."""
+    if lk.kind != "row" or len(lk.iter_syms) < 2:
+        return False
+    inner = lk.iter_syms[-2]
+    for _, _, offset, _ in lk.loads:
+        offset = sympy.expand(offset)
+        col, row = offset.coeff(COL), offset.coeff(inner)
+        # a symbolic stride is a product of sizes, each at least 2 (0 and 1 are specialized)
+        apart = col > 1 if col.is_number else not col.has(COL, inner)
+        if apart and row == 1 and not (offset - col * COL - row * inner).has(COL, inner):
+            return True
+    return False
 
 
 def multipart_parts(ir: KernelIR):

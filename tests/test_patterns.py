@@ -141,3 +141,37 @@ def test_channels_last_pointwise_walks_memory_in_order(dtype, dynamic, device):
         source = open(kernel["path"]).read()
         assert "tl.store(out0 + xindex," in source, source
         assert "x1 = tl.load(in0 + xindex," in source or "tl.load(in1 + xindex," in source
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_layernorm_over_nchw_channels_takes_many_rows_a_program(dtype, dynamic, device):
+    """ConvNeXt's LayerNorm over the channels of an NCHW tensor: a row's elements lie H*W
+    apart and consecutive rows side by side. The launcher asks for strided-row settings
+    (at least launch.STRIDED_ROWS rows a program, so each column is read as a contiguous run);
+    a norm over contiguous rows does not. Odd sizes, a row length that is not a power of two."""
+    from fusion_compiler.codegen import launch as L
+    x = randn((3, 40, 5, 7), dtype, device)
+    w, b = randn((40,), dtype, device), randn((40,), dtype, device)
+
+    def norm(x, w, b):
+        return torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (40,), w, b, 1e-6)
+
+    def plain(x, w, b):
+        return torch.nn.functional.layer_norm(x, (40,), w, b)
+
+    out, reports = compile_and_run(norm, (x, w, b), dynamic=dynamic)
+    assert_one_kernel(reports)
+    assert_close(out, norm(x, w, b), dtype=dtype)
+    (kernel,) = reports[0].kernels
+    source = open(kernel["path"]).read()
+    assert "STRIDED = True" in source and "row_settings(R, N, 16384, STRIDED)" in source, source
+    nhwc = x.permute(0, 2, 3, 1).contiguous()
+    out, reports = compile_and_run(plain, (nhwc, w, b), dynamic=dynamic)
+    assert_close(out, plain(nhwc, w, b), dtype=dtype)
+    assert all("STRIDED" not in open(k["path"]).read() for k in reports[0].kernels)
+    # the settings: 105 rows of 40 take 64 rows a program strided (2048 // 64 = 32 by the
+    # element budget either way here); ConvNeXt's last stage, rows of 768, 32 against 2
+    assert L.row_settings(32 * 49, 768, 16384, True)[0] == L.STRIDED_ROWS
+    assert L.row_settings(32 * 49, 768, 16384)[0] == 2
+    assert L.row_settings(3, 768, 16384, True)[0] == 4      # never more rows than there are
