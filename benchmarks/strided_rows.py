@@ -57,7 +57,7 @@ def main():
             fused(x, w, b)
         (target,) = rec.targets
         (launch,) = target.launchers.values()
-        module = launch.__globals__
+        module = getattr(launch, "func", launch).__globals__     # a partial binding DEVICE
         rows, rblock = n * h * w_, L._next_pow2(c)
         rule = module["row_settings"](rows, c, 16384, module.get("STRIDED", False))
         times = {"eager": median_us(lambda: norm(x, w, b))}
