@@ -17,9 +17,9 @@ LOOPED_RBLOCK = 2048        # columns per loop step of a looped row kernel
 ROW_ELEMS = 2048            # elements a persistent row program aims to hold (rows x RBLOCK);
                             # softmax rows of 1024 on the H200: 2 rows, 4 warps 101% of the
                             # floor, 4 rows, 8 warps 98%
-STRIDED_ROWS = 32          # rows a program takes at least where a row's elements lie apart and
-                            # consecutive rows side by side (a norm over NCHW channels):
-                            # each column is then one contiguous run of STRIDED_ROWS elements
+STRIDED_ELEMS = 8192        # elements a program may hold where a row's elements lie apart and
+STRIDED_PROGRAMS_PER_SM = 4  # consecutive rows side by side (a norm over NCHW channels), while
+                            # the grid keeps this many programs an SM (row_settings)
 POINTWISE_BLOCK = 2048      # bias+GELU 16384 x 11008 on the H200: 91% of the floor at 1024, 97%
 PROGRAM_BYTES = 4096        # bytes of full-size inputs a pointwise program aims to load (below)
 
@@ -65,9 +65,12 @@ def few_programs(grid: int) -> bool:
 def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = False):
     """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``.
     ``strided``: the row's elements lie apart in memory and consecutive rows side by side
-    (render.strided_rows): a program takes at least ``STRIDED_ROWS`` rows, so that each of its
-    loads of a column reads a contiguous run, not 2 or 4 elements of every 32-byte sector
-    (ConvNeXt's LayerNorm over channels of 768: 2 rows a program by the element budget).
+    (render.strided_rows), so a program's load of a column reads a contiguous run of XBLOCK
+    elements: the rows a program takes are doubled while it holds at most ``STRIDED_ELEMS``
+    elements and the grid keeps ``STRIDED_PROGRAMS_PER_SM`` programs an SM; 8 warps at 8192
+    elements. ConvNeXt-T's LayerNorms at batch 32 on the H200 (benchmarks/strided_rows.py,
+    do_bench, us; the rule without ``strided`` / this rule / the sweep's best): channels of 96
+    46.0 / 29.2 / 28.3, 192 21.8 / 15.9 / 14.0, 384 29.5 / 11.2 / 9.0, 768 9.0 / 9.0 / 9.0.
 
     A grid of at most 4 programs per SM gets twice the warps (4 -> 8 for rows of 4096): with
     few rows in flight, more warps per row keep more loads in flight. add+RMSNorm over rows of
@@ -77,7 +80,12 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
     rblock = _next_pow2(max(n, 1))
     if rblock > max_persistent_block:
         return 1, LOOPED_RBLOCK, True, 8
-    xblock = min(_next_pow2(rows), max(STRIDED_ROWS if strided else 1, ROW_ELEMS // rblock))
+    xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
+    if strided:
+        least = STRIDED_PROGRAMS_PER_SM * _sm_count()
+        while 2 * xblock * rblock <= STRIDED_ELEMS and -(-rows // (2 * xblock)) >= least:
+            xblock *= 2
+        return xblock, rblock, False, 8 if xblock * rblock >= 8192 else 4
     warps = _warps(xblock * rblock)
     if xblock * rblock >= 2048 and few_programs(-(-rows // xblock)):
         warps = min(2 * warps, 32)
