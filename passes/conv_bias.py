@@ -9,7 +9,7 @@ names that path, the graph says the same thing in two ops:
     convolution(x, w, b, ...)   ->   add(convolution(x, w, None, ...), view(b, [1, C, 1, ...]))
 
 the very arithmetic ATen does (the convolution's output rounded to its dtype, the bias added to
-it, rounded again), so the fusion pass can fuse the add into the convolution's consumer
+it, rounded again: bit-equal results, checked on the GPU by tests/test_conv_bias.py), so the fusion pass can fuse the add into the convolution's consumer
 (ConvNeXt's LayerNorm), as Inductor does. The add's output keeps the convolution's layout, as
 ``add_`` does. Other backends add the bias inside the convolution (the CUDA depthwise kernels,
 MKLDNN on the CPU), with one rounding less: left alone.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .pad_gemm import _val, emit
 
@@ -27,14 +28,25 @@ log = logging.getLogger("fusion_compiler")
 
 DEVICES = ("cuda",)
 BACKENDS = ("Cudnn", "CudnnTranspose")      # ATen adds the bias after these (Convolution.cpp)
+MAX_PROBE_BYTES = 1 << 30                   # a larger input is not allocated to ask (left alone)
 
 
 def _backend(node) -> str | None:
-    """ATen's backend for a convolution node, from its fake values; None if unknown."""
+    """ATen's backend for a convolution node, None if unknown: asked with empty real tensors
+    of the traced sizes, strides and dtypes, as the call will ask at run time. Fake tensors
+    can get another answer: on the H200, an NCHW depthwise convolution's fake values gave
+    cuDNN where the real tensors get ATen's depthwise kernel (tests/test_conv_bias.py, GPU)."""
     x, w, b, stride, padding, dilation, transposed, output_padding, groups = node.args
+    values = [_val(a) for a in (x, w, b)]
+    if not all(isinstance(s, int) for v in values for s in (*v.shape, *v.stride())) \
+            or values[0].numel() * values[0].element_size() > MAX_PROBE_BYTES:
+        return None
     try:
-        return torch._C._select_conv_backend(_val(x), _val(w), _val(b), stride, padding, dilation,
-                                             transposed, output_padding, groups).name
+        with unset_fake_temporarily():
+            real = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                    for v in values]
+            return torch._C._select_conv_backend(*real, stride, padding, dilation, transposed,
+                                                 output_padding, groups).name
     except Exception:   # noqa: BLE001 - an unknown case stays one ATen op
         return None
 

@@ -50,6 +50,8 @@ FAST = {
     aten.addmm.default: (torch.addmm, ("beta", "alpha")),
     aten.clone.default: (torch.clone, ("memory_format",)),
     aten.embedding.default: (torch.embedding, ()),
+    # ConvNeXt-T keeps 22: 55 against 50 us a call of a small CPU convolution (development CPU)
+    aten.convolution.default: (torch.convolution, ()),
     # passes/empty_values' allocations: 6.0 us through the overload, 1.2 direct (CPU)
     aten.empty_strided.default: (torch.empty_strided, ("dtype", "layout", "device", "pin_memory")),
 }

@@ -49,6 +49,10 @@ def test_depthwise_bias_joins_the_layernorm(dtype, channels_last, device, any_ba
     assert ("aten.add.Tensor" in reports[0].kernels[0]["ops"]) == split_here(x, w, b, 3, c)
     assert [op for op in leftover_aten(reports) if "convolution" not in op] == []
     assert_close(out, block(x, w, b, nw, nb), dtype=dtype)
+    if device == "cuda":        # cuDNN's path: the same convolution call, the same add
+        y = F.conv2d(x, w, b, padding=3, groups=c)
+        fy, _ = compile_and_run(lambda x, w, b: F.conv2d(x, w, b, padding=3, groups=c), (x, w, b))
+        assert torch.equal(fy, y)
 
 
 def test_convolution_output_with_bias_keeps_its_layout(device, any_backend):
@@ -64,6 +68,8 @@ def test_convolution_output_with_bias_keeps_its_layout(device, any_backend):
     assert split_here(x, w, b, 1, 1)
     assert kernel_count(reports) == 1 and reports[0].kernels[0]["ops"] == ["aten.add.Tensor"]
     assert_close(out, expected, dtype=torch.float32)
+    if device == "cuda":
+        assert torch.equal(out, expected)
 
 
 def test_cpu_convolutions_keep_their_bias(device):

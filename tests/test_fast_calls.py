@@ -235,3 +235,19 @@ def test_an_allocation_of_a_value_with_no_elements_is_a_direct_call(monkeypatch,
     assert kernel_count(reports) == 0 and leftover_aten(reports) == ["aten.empty_strided.default"]
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets == [torch.empty_strided]
+
+
+def test_a_convolution_is_a_direct_call(monkeypatch, device):
+    """ConvNeXt's convolutions stay ATen ops: called through torch.convolution, the same
+    ATen op without the overload's Python dispatch; the result is eager's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 9, 7, generator=g).to(device)
+    w, b = torch.randn(6, 1, 3, 3, generator=g).to(device), torch.randn(6, generator=g).to(device)
+
+    def fn(x, w, b):
+        return torch.nn.functional.conv2d(x, w, b, padding=1, groups=6).relu()
+    out, reports, gm = _compiled_graph(monkeypatch, fn, (x, w, b))
+    assert_close(out, fn(x, w, b), dtype=torch.float32)
+    assert "aten.convolution.default" in leftover_aten(reports)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.convolution in targets and torch.ops.aten.convolution.default not in targets
