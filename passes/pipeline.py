@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from . import (classify, constant_fold, conv_bias, dedupe, empty_values, fuse, generate, pad_gemm,
-               partition, shapes)
+from . import (classify, constant_fold, conv_bias, dedupe, empty_values, fuse, generate,
+               index_rows, pad_gemm, partition, shapes)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -14,6 +14,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     constant_fold.run(gm, ctx)      # values computed from constants alone: computed now, kept
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     conv_bias.run(gm, ctx)          # cuDNN convolutions' biases added by the graph (GPU only)
+    index_rows.run(gm, ctx)         # table[idx] as a gather of rows
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
     gm = empty_values.run(gm, ctx)  # values with no elements: allocated, not computed

@@ -166,3 +166,39 @@ def test_gather_along_any_dim_of_a_computed_source(dim, device):
     out, reports = compile_and_run(fn, (a, idx))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert_close(out, fn(a, idx))
+
+
+def swin_position_bias(table, idx, mask):
+    """Swin's relative position bias: rows of a table picked by a position index, laid out
+    per head, added to the window mask (the attention mask SDPA gets)."""
+    bias = table[idx].view(7, 7, -1).permute(2, 0, 1).contiguous()
+    return bias.unsqueeze(0) + mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_rows_picked_by_an_index_tensor_are_a_gather_in_the_kernel(dtype, index_dtype, device):
+    """``table[idx]`` (aten.index.Tensor) joins its reader's kernel as a gather of rows (it was
+    an ATen index kernel, then a copy), with eager's values, negative indices counting from
+    the end as eager's do."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(13, 3, generator=g).to(device=device, dtype=dtype)
+    mask = torch.randn(2, 1, 7, 7, generator=g).to(device=device, dtype=dtype)
+    for idx in (torch.randint(0, 13, (49,), generator=g), torch.randint(-13, 13, (49,), generator=g)):
+        idx = idx.to(device=device, dtype=index_dtype)
+        out, reports = compile_and_run(swin_position_bias, (table, idx, mask))
+        assert kernel_count(reports) == 1 and not leftover_aten(reports)
+        assert "aten.embedding.default" in reports[0].kernels[0]["ops"]
+        assert torch.equal(out, swin_position_bias(table, idx, mask))
+
+
+def test_other_index_forms_stay_on_aten(device):
+    """A boolean mask, or an index on another dimension, is not a pick of rows: left on ATen,
+    eager's values."""
+    x = torch.randn(6, 5, device=device)
+    keep = torch.tensor([True, False, True, True, False, True], device=device)
+    cols = torch.tensor([4, 0, 2], device=device)
+    for f in (lambda x: x[keep] * 2, lambda x: x[:, cols] * 2):
+        out, reports = compile_and_run(f, (x,))
+        assert "aten.index.Tensor" in leftover_aten(reports)
+        assert torch.equal(out, f(x))
