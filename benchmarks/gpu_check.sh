@@ -14,6 +14,8 @@
 #   patterns   patterns at 16384 rows
 #   variants   benchmarks/variants.py with $VARIANTS_ARGS (time limit $VARIANTS_LIMIT s, 150)
 #   models     `bench` on $MODELS
+#   zoo        `bench` on $ZOO (benchmarks/hf_zoo.py's architectures; about 70 s each)
+#   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS
 #   profile    where fusion's cold compile of $PROFILE_TARGET spends its main thread's time
 #   costmodel  `calibrate`, then `dump --measure` of each of $MODELS (the measured tables in the
@@ -36,6 +38,8 @@ STEPS=${STEPS:-"suite small patterns models"}
 MODELS=${MODELS:-"examples/llama.py:bench_1x128 examples/llama.py:bench_4x1024 examples/gpt2.py:bench_8x512 examples/bert.py:bench_16x256"}
 COMPILE_TARGETS=${COMPILE_TARGETS:-"examples/llama.py:bench_1x128"}
 PROFILE_TARGET=${PROFILE_TARGET:-"examples/bert.py:bench_16x256"}
+Z=benchmarks/hf_zoo.py
+ZOO=${ZOO:-"$Z:qwen3_4x1024 $Z:bart_base_16x256 $Z:gemma2_4x512 $Z:convnext_tiny_32 $Z:swin_tiny_32"}
 
 step() {    # step NAME SECONDS COMMAND: the command's output into the log, with its rc and time
     local name=$1 limit=$2; shift 2
@@ -66,6 +70,10 @@ for s in $STEPS; do
         ${VARIANTS_ARGS:-} 2>&1 | $quiet" ;;
     models) step models 240 "fusion-compiler bench $MODELS --compare eager,inductor,fusion \
         -o $OUT/models.json 2>&1 | $quiet" ;;
+    zoo) step zoo $(( 90 * $(echo $ZOO | wc -w) )) "fusion-compiler bench $ZOO \
+        --compare eager,inductor,fusion -o $OUT/zoo.json 2>&1 | $quiet" ;;
+    strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \
+        | $quiet" ;;
     compile|profile)
         if [ -z "$PYTHONPYCACHEPREFIX" ]; then
             export PYTHONPYCACHEPREFIX=/tmp/pyc
