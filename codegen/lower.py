@@ -43,7 +43,8 @@ def iteration_space(ir: KernelIR):
         shape = red_shapes.pop()
         rows = shape[:-1]
         allowed = {shape, rows + (sympy.Integer(1),), rows}
-        bad = out_shapes - allowed
+        bad = {ir.values[o].shape for o in ir.outputs
+               if ir.values[o].shape not in allowed and layout_chain(ir, o, shape) is None}
         if bad:
             raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
                              f"per-row of the reduction over {shape}")
@@ -51,6 +52,56 @@ def iteration_space(ir: KernelIR):
     if len(out_shapes) != 1:
         raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}")
     return "pointwise", out_shapes.pop()
+
+
+# ops that only lay out their one input again: an output reached from a per-element value of
+# a row kernel through them is that value stored at another address (Swin's window partition)
+_LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
+                   "aten.clone.default", "aten.alias.default", "aten.detach.default",
+                   "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default"}
+
+
+def layout_chain(ir: KernelIR, vid: int, shape: tuple):
+    """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
+    per-element value ``root`` laid out again by those ops (root first: views, permutes, a
+    clone, a padding of 0), each element once; else None."""
+    ops, n_in = [], len(ir.inputs)
+    while ir.values[vid].shape != shape:
+        if vid < n_in:
+            return None
+        op = ir.ops[vid - n_in]
+        src = ref_id(op.args[0]) if op.args else None
+        if op.target not in _LAYOUT or src is None:
+            return None
+        if op.target == "aten.constant_pad_nd.default" and any(p != 0 for p in op.args[1]):
+            return None
+        if op.target == "aten.clone.default" and str(dict(op.kwargs).get("memory_format")) not in (
+                "None", "torch.contiguous_format", "torch.preserve_format"):
+            return None         # the IR spells a memory format as its str
+        ops.append((op, vid))
+        vid = src
+    return (vid, ops[::-1]) if ops else None
+
+
+def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) -> tuple:
+    """The index into the last of ``ops``' results of the element at ``index`` of ``root``."""
+    shape = ir.values[root].shape
+    for op, vid in ops:
+        t, out = op.target, ir.values[vid].shape
+        if t in VIEWS:
+            index = view_index(index, shape, out, hints)     # a reshape maps both ways alike
+        elif t == "aten.permute.default":
+            index = tuple(index[d % len(shape)] for d in op.args[1])
+        elif t in ("aten.transpose.int", "aten.t.default"):
+            index = _INDEX_OPS[t](index, op.args, shape)      # its own inverse
+        elif t == "aten.unsqueeze.default":
+            d = op.args[1] % len(out)
+            index = index[:d] + (sympy.Integer(0),) + index[d:]
+        elif t == "aten.squeeze.dim":
+            d = op.args[1] % len(shape)
+            index = index[:d] + index[d + 1:] if shape[d] == 1 else index
+        shape = out
+    return index
 
 
 class Lowering(PointwiseLowering):
@@ -95,7 +146,13 @@ class Lowering(PointwiseLowering):
                 self.pending = []
         for pos, vid in enumerate(self.ir.outputs):
             val = self.ir.values[vid]
-            if self.kind == "row" and val.shape != self.shape:
+            chain = layout_chain(self.ir, vid, self.shape) if self.kind == "row" else None
+            if chain is not None and val.shape not in (self.shape[:-1], self.shape[:-1] + (1,)):
+                root, ops = chain
+                var = self.value(root, full, frozenset())
+                index = push_index(full, self.ir, root, ops, self.hints)
+                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            elif self.kind == "row" and val.shape != self.shape:
                 index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
                 var = self.value(vid, index, frozenset())
                 self.tail.append(("store", pos, var, self._offset(index, val.stride), False))

@@ -179,3 +179,50 @@ def test_layernorm_over_nchw_channels_takes_many_rows_a_program(dtype, dynamic, 
         assert L.row_settings(32 * 196, 384, 16384, True) == (8, 512, False, 4)
         assert L.row_settings(32 * 49, 768, 16384, True) == (2, 1024, False, 4)
     assert L.row_settings(3, 768, 16384, True)[0] <= 4      # never more rows than there are
+
+
+def _window_norm(pad):
+    def norm(x, r, w, b):
+        """Swin's LayerNorm, then its window partition (a zero padding, a view into windows, a
+        permute, a copy), and the residual stream."""
+        h = x + r
+        y = torch.nn.functional.layer_norm(h, (h.shape[-1],), w, b)
+        y = torch.nn.functional.pad(y.view(h.shape[0], 6, 10, -1), (0, 0, 0, pad, 0, 0))
+        y = y.view(h.shape[0], 2, 3, 2, (10 + pad) // 2, -1).permute(0, 1, 3, 2, 4, 5)
+        return y.contiguous().view(-1, 3 * ((10 + pad) // 2), h.shape[-1]), h
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_stores_its_rows_in_window_order(dtype, device):
+    """The window partition after a LayerNorm joins the norm's kernel: each element of a row
+    is stored where the windows' layout puts it (codegen/lower.py ``layout_chain``), the values
+    bit-equal to the same kernel's output laid out into windows afterwards. Odd sizes."""
+    x, r = randn((3, 60, 24), dtype, device), randn((3, 60, 24), dtype, device)
+    w, b = randn((24,), dtype, device), randn((24,), dtype, device)
+    norm = _window_norm(0)
+    out, reports = compile_and_run(norm, (x, r, w, b))
+    assert_one_kernel(reports)
+    (windows, h), (exp_windows, exp_h) = out, norm(x, r, w, b)
+    assert windows.shape == exp_windows.shape and windows.stride() == exp_windows.stride()
+    assert_close(windows, exp_windows, dtype=dtype)
+    assert torch.equal(h, exp_h)
+
+    def plain(x, r, w, b):
+        h = x + r
+        return torch.nn.functional.layer_norm(h, (h.shape[-1],), w, b)
+    rows, _ = compile_and_run(plain, (x, r, w, b))
+    relaid = rows.view(3, 2, 3, 2, 5, 24).permute(0, 1, 3, 2, 4, 5).reshape(-1, 15, 24)
+    assert torch.equal(windows, relaid)
+
+
+def test_a_padded_window_partition_is_not_a_row_layout(device):
+    """With a padding that is not zero the windows hold elements no row computes: the
+    partition stays a kernel of its own, eager's values."""
+    x, r = randn((3, 60, 24), torch.float32, device), randn((3, 60, 24), torch.float32, device)
+    w, b = randn((24,), torch.float32, device), randn((24,), torch.float32, device)
+    norm = _window_norm(2)
+    out, reports = compile_and_run(norm, (x, r, w, b))
+    assert kernel_count(reports) == 2
+    for a, e in zip(out, norm(x, r, w, b)):
+        assert_close(a, e, dtype=torch.float32)
