@@ -21,12 +21,12 @@ class Wrapped(torch.nn.Module):
     one (so the pooler's ops are compiled, not dropped as unused). tests/test_zoo.py uses it
     too."""
 
-    def __init__(self, model, names, options):
+    def __init__(self, model, names):
         super().__init__()
-        self.model, self.names, self.options = model, names, options
+        self.model, self.names = model, names
 
     def forward(self, *tensors):
-        out = self.model(**dict(zip(self.names, tensors)), **self.options)
+        out = self.model(**dict(zip(self.names, tensors)))
         pooled = getattr(out, "pooler_output", None)
         return out.last_hidden_state if pooled is None else (out.last_hidden_state, pooled)
 
@@ -45,7 +45,7 @@ def wrap(model, kw: dict):
     with its forward's defaults: a decoder builds its KV cache, as generation's prefill does
     (an earlier check meant to turn the cache off looked for ``use_cache`` in the code object
     of transformers' forward wrapper, so it never did: every zoo measurement ran this way)."""
-    return Wrapped(model, list(kw), {}), tuple(kw.values())
+    return Wrapped(model, list(kw)), tuple(kw.values())
 
 
 def _make(cfg_name, model_name, config, tiny, inputs, device, dtype, attn=None):

@@ -71,7 +71,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             view = emit(gm, aten.view.default, (node.args[2], shape), mode)
         with gm.graph.inserting_after(view):
             add = gm.graph.call_function(aten.add.Tensor, (node, view))
-        users = [u for u in node.users if u is not add]
+        node.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
         node.args = node.args[:2] + (None,) + node.args[3:]
         with mode:
             conv = aten.convolution.default(*[_val(a) if isinstance(a, torch.fx.Node) else a
@@ -79,8 +79,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             add.meta["val"] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
                                                   device=out.device)
         node.meta["val"] = conv
-        for u in users:
-            u.replace_input_with(node, add)
         split += 1
     if split:
         gm.recompile()
