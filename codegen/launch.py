@@ -65,7 +65,7 @@ def few_programs(grid: int) -> bool:
 def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = False):
     """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``.
     ``strided``: the row's elements lie apart in memory and consecutive rows side by side
-    (render.strided_rows), so a program's load of a column reads a contiguous run of XBLOCK
+    (statements.strided_rows), so a program's load of a column reads a contiguous run of XBLOCK
     elements: the rows a program takes are doubled while it holds at most ``STRIDED_ELEMS``
     elements and the grid keeps ``STRIDED_PROGRAMS_PER_SM`` programs an SM; 8 warps at 8192
     elements. ConvNeXt-T's LayerNorms at batch 32 on the H200 (benchmarks/strided_rows.py,

@@ -19,7 +19,8 @@ from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
-from .statements import all_stores, late_loads, loads_first, select_preds, store_value
+from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
+                         strided_rows)
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
@@ -54,23 +55,6 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
     if strided:
         launcher = "STRIDED = True\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
-
-
-def strided_rows(lk: LoweredKernel) -> bool:
-    """Whether a row kernel loads a row whose elements lie apart in memory (a stride above 1
-    along the columns) while consecutive rows lie side by side (a stride of 1 along the last
-    row dimension): a LayerNorm over the channels of an NCHW tensor."""
-    if lk.kind != "row" or len(lk.iter_syms) < 2:
-        return False
-    inner = lk.iter_syms[-2]
-    for _, _, offset, _ in lk.loads:
-        offset = sympy.expand(offset)
-        col, row = offset.coeff(COL), offset.coeff(inner)
-        # a symbolic stride is a product of sizes, each at least 2 (0 and 1 are specialized)
-        apart = col > 1 if col.is_number else not col.has(COL, inner)
-        if apart and row == 1 and not (offset - col * COL - row * inner).has(COL, inner):
-            return True
-    return False
 
 
 def multipart_parts(ir: KernelIR):

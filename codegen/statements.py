@@ -1,6 +1,7 @@
 """A lowered kernel's statements, as the renderer orders and stores them: which loads a kernel
 issues first (those addressed by the block's indices alone), which a persistent row kernel
-issues before its first reduction under ``HOIST``, and the value each store writes.
+issues before its first reduction under ``HOIST``, whether its rows are strided (the launcher
+then takes more rows a program), and the value each store writes.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sympy
 import torch
 
 from . import ops
+from .lowered import COL
 
 
 def direct_loads(stmts: list, regs: set) -> list:
@@ -44,6 +46,23 @@ def late_loads(lk) -> list:
     stmts = [st for ph in lk.phases for st in ph.outer + ph.body]
     later = [st for ph in lk.phases[1:] for st in ph.outer + ph.body]
     return direct_loads(later, registers(stmts))
+
+
+def strided_rows(lk) -> bool:
+    """Whether a row kernel loads a row whose elements lie apart in memory (a stride above 1
+    along the columns) while consecutive rows lie side by side (a stride of 1 along the last
+    row dimension): a LayerNorm over the channels of an NCHW tensor."""
+    if lk.kind != "row" or len(lk.iter_syms) < 2:
+        return False
+    inner = lk.iter_syms[-2]
+    for _, _, offset, _ in lk.loads:
+        offset = sympy.expand(offset)
+        col, row = offset.coeff(COL), offset.coeff(inner)
+        # a symbolic stride is a product of sizes, each at least 2 (0 and 1 are specialized)
+        apart = col > 1 if col.is_number else not col.has(COL, inner)
+        if apart and row == 1 and not (offset - col * COL - row * inner).has(COL, inner):
+            return True
+    return False
 
 
 _STORE_FN = {torch.bfloat16: ("fl.round_bf16(", "fl.store_bf16("),
