@@ -253,6 +253,25 @@ def _transpose(index, args, shape):
     return tuple(out)
 
 
+def roll_index(index, args, shape, forward=False):
+    """``roll(x, shifts, dims)``: the index of x read at output ``index`` (x at i - shift, modulo
+    the dimension's size), or with ``forward`` the output index where x's element at ``index``
+    lands. Not a view (the roll's output is a new tensor), so not in INDEX_OPS."""
+    shifts, dims = args[1], args[2] if len(args) > 2 else ()
+    if not dims or len(dims) != len(shifts):
+        raise NotFusable("roll of the flattened tensor")
+    out = list(index)
+    for s, d in zip(shifts, dims):
+        d %= len(shape)
+        n = sympy.sympify(shape[d])
+        if not n.is_Integer or not isinstance(s, int):
+            raise NotFusable("roll by a symbolic size or shift")
+        step = (s if forward else -s) % int(n)
+        if step:
+            out[d] = ModularIndexing(out[d] + step, sympy.Integer(1), n)
+    return tuple(out)
+
+
 # Views that rewrite one index into another: op -> f(index, args, input shape) -> input index
 INDEX_OPS = {
     "aten.slice.Tensor": _slice, "aten.select.int": _select,

@@ -25,7 +25,8 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import INDEX_OPS as _INDEX_OPS, broadcast_index, print_expr, view_index
+from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, print_expr, roll_index,
+                       view_index)
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
 from .lowered import COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args
@@ -55,18 +56,22 @@ def iteration_space(ir: KernelIR):
 
 
 # ops that only lay out their one input again: an output reached from a per-element value of
-# a row kernel through them is that value stored at another address (Swin's window partition)
+# a row kernel through them is that value stored at another address (Swin's window partition,
+# and its cyclic shift before it: a roll)
+ROLL = "aten.roll.default"
 _LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
                    "aten.clone.default", "aten.alias.default", "aten.detach.default",
-                   "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default"}
+                   "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default",
+                   ROLL}
 
 
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):
     """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
     per-element value ``root`` laid out again by those ops (root first: views, permutes, a
-    clone, a padding of 0), each element once; else None."""
+    clone, a padding of 0, a roll), each element once; else None. A roll keeps the shape, so
+    the walk goes on through rolls of the reduction's shape too."""
     ops, n_in = [], len(ir.inputs)
-    while ir.values[vid].shape != shape:
+    while ir.values[vid].shape != shape or (vid >= n_in and ir.ops[vid - n_in].target == ROLL):
         if vid < n_in:
             return None
         op = ir.ops[vid - n_in]
@@ -100,6 +105,8 @@ def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) ->
         elif t == "aten.squeeze.dim":
             d = op.args[1] % len(shape)
             index = index[:d] + index[d + 1:] if shape[d] == 1 else index
+        elif t == ROLL:
+            index = roll_index(index, op.args, shape, forward=True)
         shape = out
     return index
 
@@ -245,6 +252,9 @@ class Lowering(PointwiseLowering):
         if t in _INDEX_OPS:
             src = ref_id(args[0])
             return self.value(src, _INDEX_OPS[t](index, args, self.ir.values[src].shape), preds)
+        if t == ROLL:
+            src = ref_id(args[0])
+            return self.value(src, roll_index(index, args, self.ir.values[src].shape), preds)
         if t == "aten.as_strided.default":
             return self._as_strided(args, index, preds)
         if t == "aten.cat.default":

@@ -66,6 +66,7 @@ OP_KINDS: dict = {
     aten.constant_pad_nd.default: OpKind.INJECTIVE,
     aten.embedding.default: OpKind.INJECTIVE,     # a gather: rows of a table by index
     aten.gather.default: OpKind.INJECTIVE,        # a gather along one dimension
+    aten.roll.default: OpKind.INJECTIVE,          # a rotation: index arithmetic
 }
 GATHERS = (aten.embedding.default, aten.gather.default)   # checked by _is_plain_gather
 

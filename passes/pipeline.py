@@ -6,12 +6,13 @@ import time
 import torch
 
 from . import (classify, constant_fold, conv_bias, dedupe, empty_values, fuse, generate,
-               index_rows, pad_gemm, partition, shapes)
+               index_rows, pad_gemm, partition, roll, shapes)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Decide the fusion groups; no code is generated (what `dump` and CPU runs need)."""
     constant_fold.run(gm, ctx)      # values computed from constants alone: computed now, kept
+    roll.run(gm, ctx)               # index_select by a constant rotation as a roll
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     conv_bias.run(gm, ctx)          # cuDNN convolutions' biases added by the graph (GPU only)
     index_rows.run(gm, ctx)         # table[idx] as a gather of rows
