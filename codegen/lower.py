@@ -267,6 +267,8 @@ class Lowering(PointwiseLowering):
             return self._embedding(args, index, preds)
         if t == "aten.gather.default":
             return self._gather(args, index, preds)
+        if t == "aten.index_select.default":
+            return self._index_select(args, index, preds)
         return self._pointwise(vid, op, index, preds)
 
     def _embedding(self, args, index, preds):
@@ -289,6 +291,15 @@ class Lowering(PointwiseLowering):
         shape = self.ir.values[src].shape
         dim = dim % len(shape)
         at, inside = self._index(idx, index, preds, shape[dim], "gather")
+        return self.value(src, index[:dim] + (at,) + index[dim + 1:], preds | inside)
+
+    def _index_select(self, args, index, preds):
+        """``src`` along ``dim`` at ``idx[index[dim]]`` (a 1-d index, loaded or computed
+        there), checked as embedding's."""
+        src, dim, idx = ref_id(args[0]), args[1], ref_id(args[2])
+        shape = self.ir.values[src].shape
+        dim = dim % len(shape)
+        at, inside = self._index(idx, (index[dim],), preds, shape[dim], "index_select")
         return self.value(src, index[:dim] + (at,) + index[dim + 1:], preds | inside)
 
     def _index(self, idx, index, preds, size, op):

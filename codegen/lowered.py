@@ -13,7 +13,7 @@ REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
               "aten.amax.default": "max", "aten.amin.default": "min",
               "aten.any.dim": "max"}      # any: the max of (x != 0) as 0.0 / 1.0
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
-GATHERS = {"aten.embedding.default", "aten.gather.default"}
+GATHERS = {"aten.embedding.default", "aten.gather.default", "aten.index_select.default"}
 COL = sympy.Symbol("c", integer=True, nonnegative=True)
 
 

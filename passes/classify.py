@@ -66,9 +66,11 @@ OP_KINDS: dict = {
     aten.constant_pad_nd.default: OpKind.INJECTIVE,
     aten.embedding.default: OpKind.INJECTIVE,     # a gather: rows of a table by index
     aten.gather.default: OpKind.INJECTIVE,        # a gather along one dimension
+    aten.index_select.default: OpKind.INJECTIVE,  # a gather along one dimension, 1-d index
     aten.roll.default: OpKind.INJECTIVE,          # a rotation: index arithmetic
 }
-GATHERS = (aten.embedding.default, aten.gather.default)   # checked by _is_plain_gather
+GATHERS = (aten.embedding.default, aten.gather.default,    # checked by _is_plain_gather
+           aten.index_select.default)
 
 # Tensor dtypes a generated kernel can load, compute on and store.
 KERNEL_DTYPES = {
@@ -121,11 +123,17 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
 
 
 def _is_plain_gather(node: torch.fx.Node) -> bool:
-    """``embedding(table, idx)`` of a 2-d table by int32/int64 indices, or ``gather(src, dim,
-    idx)`` by int64 indices of src's rank; the other arguments (padding_idx,
-    scale_grad_by_freq, sparse, sparse_grad) change no forward value."""
+    """``embedding(table, idx)`` of a 2-d table by int32/int64 indices, ``gather(src, dim,
+    idx)`` by int64 indices of src's rank, or ``index_select(src, dim, idx)`` by a 1-d
+    int32/int64 index; the other arguments (padding_idx, scale_grad_by_freq, sparse,
+    sparse_grad) change no forward value."""
     if node.target is aten.embedding.default:
         (src, idx), dtypes = node.args[:2], (torch.int32, torch.int64)
+    elif node.target is aten.index_select.default:
+        (src, dim, idx), dtypes = node.args[:3], (torch.int32, torch.int64)
+        i = idx.meta.get("fc_tensor") if isinstance(idx, torch.fx.Node) else None
+        if not isinstance(dim, int) or i is None or i.ndim != 1:
+            return False
     else:
         (src, dim, idx), dtypes = node.args[:3], (torch.int64,)
         if not isinstance(dim, int):
@@ -135,7 +143,9 @@ def _is_plain_gather(node: torch.fx.Node) -> bool:
     s, i = src.meta.get("fc_tensor"), idx.meta.get("fc_tensor")
     if s is None or i is None or i.dtype not in dtypes or is_host_scalar(i):
         return False
-    return s.ndim == 2 if node.target is aten.embedding.default else s.ndim == i.ndim >= 1
+    if node.target is aten.embedding.default:
+        return s.ndim == 2
+    return s.ndim >= 1 if node.target is aten.index_select.default else s.ndim == i.ndim >= 1
 
 
 def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:

@@ -115,7 +115,10 @@ _OUT_OF_RANGE = textwrap.dedent("""
     import torch.nn.functional as F
     ids = torch.tensor([[0, 3, 50]], device="cuda")
     table = torch.randn(50, 16, device="cuda")
-    out = torch.compile(lambda i, t: F.embedding(i, t) * 2.0, backend="fusion")(ids, table)
+    f = lambda i, t: F.embedding(i, t) * 2.0                             # noqa: E731
+    if GATHER == "index_select":
+        f = lambda i, t: t.index_select(0, i.view(-1)) * 2.0             # noqa: E731
+    out = torch.compile(f, backend="fusion")(ids, table)
     torch.cuda.synchronize()
     print("no error", out.sum().item())
 """)
@@ -123,11 +126,12 @@ _OUT_OF_RANGE = textwrap.dedent("""
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a device-side assert needs a GPU")
-def test_an_index_outside_the_table_is_a_device_side_error():
-    """As eager's CUDA embedding: a device-side assert (in a process of its own: it leaves
-    the CUDA context unusable), never values read from outside the table."""
-    proc = subprocess.run([sys.executable, "-c", _OUT_OF_RANGE], capture_output=True,
-                          text=True, timeout=300)
+@pytest.mark.parametrize("gather", ["embedding", "index_select"])
+def test_an_index_outside_the_table_is_a_device_side_error(gather):
+    """As eager's CUDA embedding and index_select: a device-side assert (in a process of its
+    own: it leaves the CUDA context unusable), never values read from outside the table."""
+    proc = subprocess.run([sys.executable, "-c", f"GATHER = {gather!r}\n" + _OUT_OF_RANGE],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "no error" not in proc.stdout, proc.stdout
     assert "index out of range" in proc.stderr or "device-side assert" in proc.stderr, \
         proc.stderr[-2000:]
@@ -202,3 +206,44 @@ def test_other_index_forms_stay_on_aten(device):
         out, reports = compile_and_run(f, (x,))
         assert "aten.index.Tensor" in leftover_aten(reports)
         assert torch.equal(out, f(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_index_select_is_a_gather_in_the_kernel(dtype, index_dtype, dim, device):
+    """``index_select(src, dim, idx)`` (a 1-d index, repeats allowed) joins the kernels on both
+    sides of it: the source computed at the positions it names, the result used in place."""
+    g = torch.Generator().manual_seed(dim % 3)
+    a = torch.randn(5, 7, 9, generator=g).to(device=device, dtype=dtype)
+    idx = torch.randint(0, a.shape[dim], (11,), generator=g).to(device=device, dtype=index_dtype)
+
+    def fn(a, i):
+        return (a.sigmoid() * 2).index_select(dim, i) + 1
+    out, reports = compile_and_run(fn, (a, idx))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert "aten.index_select.default" in reports[0].kernels[0]["ops"]
+    assert_close(out, fn(a, idx), dtype=dtype)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_index_select_of_rows_and_of_columns_in_a_row_kernel(dim, device):
+    """In a softmax's row kernel: picking rows (per row) or columns (per element, so what
+    it addresses is too)."""
+    a = torch.randn(6, 13, device=device)
+    idx = torch.randint(0, a.shape[dim], (6 if dim == 0 else 13,), device=device)
+
+    def fn(a, i):
+        return torch.softmax(a.index_select(dim, i) * 0.5, dim=-1)
+    out, reports = compile_and_run(fn, (a, idx))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, fn(a, idx))
+
+
+def test_index_select_by_a_0d_index_stays_on_aten(device):
+    """Only a 1-d index is a gather here; ATen's index_select says what else it takes."""
+    a = torch.randn(4, 6, device=device)
+    idx = torch.tensor(2, device=device)        # a 0-d index: ATen takes it as one element
+    out, reports = compile_and_run(lambda a, i: a.index_select(1, i) * 2, (a, idx))
+    assert "aten.index_select.default" in leftover_aten(reports)
+    assert torch.equal(out, a.index_select(1, idx) * 2)

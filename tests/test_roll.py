@@ -79,14 +79,46 @@ def test_a_norm_of_a_rolled_input_and_a_rolled_norm(dtype, device):
     assert_close(out, rolled(a, w, b), dtype=dtype)
 
 
-def test_other_constant_indices_stay_index_select(device):
-    """An index_select by a constant index that is not a rotation keeps its ATen op."""
+def test_other_constant_indices_are_a_gather(device):
+    """An index_select by a constant index that is not a rotation stays an index_select, which
+    the kernel does as a gather of the index it loads."""
     x = randn((4, 6, 5), torch.float32, device)
     idx = torch.tensor([0, 2, 1, 5, 4, 3], device=device)
-    f = lambda x: x.index_select(1, idx) * 3      # noqa: E731
+    f = lambda x: (x * 3).index_select(1, idx) + 1      # noqa: E731
     out, reports = compile_and_run(f, (x,))
-    assert leftover_aten(reports) == ["aten.index_select.default"]
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert "aten.index_select.default" in ops_of(reports)
+    assert "aten.roll.default" not in ops_of(reports)
     assert_close(out, f(x), dtype=torch.float32)
+
+
+def test_a_rolled_norm_trains(device):
+    """The backward of a roll is a roll the other way: it is fused there too, and the gradients
+    are eager's."""
+    x = randn((2, 6, 8, 5), torch.float32, device).requires_grad_()
+    w = randn((5,), torch.float32, device).requires_grad_()
+
+    def f(x, w):
+        y = torch.roll(F.layer_norm(x, (5,), w), shifts=(-2, 3), dims=(1, 2))
+        return (y * y).sum()
+    torch._dynamo.reset()
+    import fusion_compiler
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(f, backend="fusion")(x, w)
+        out.backward()
+    got = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    expected = f(x, w)
+    expected.backward()
+    assert_close(out, expected, dtype=torch.float32)
+    assert_close(got[0], x.grad, dtype=torch.float32, name="x grad")
+    assert_close(got[1], w.grad, dtype=torch.float32, name="w grad")
+    # forward: the norm with its rolled store, the sum; backward: one kernel and the weight's
+    # gradient summed over the rows on ATen (a reduction not over the last dimension)
+    assert [r.num_kernels for r in reports] == [2, 1]
+    assert leftover_aten(reports) == ["aten.sum.dim_IntList"] * 2
+    assert sum(op == "aten.roll.default" for r in reports[1:] for k in r.kernels
+               for op in k["ops"]) == 2
 
 
 def test_rotation_detection():
