@@ -26,14 +26,67 @@ def broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
 
 
 def linearize(index, shape):
+    """The row-major position of ``index`` in ``shape``, with the digits of one value put back
+    together (``join_digits``: a reshape's index mapped back through the inverse reshape, a
+    GroupNorm's [N, C, H, W] output read from its rows, gives the rows' own position)."""
     lin, mult = sympy.Integer(0), sympy.Integer(1)
     for i, s in zip(reversed(index), reversed(shape)):
         lin += i * mult
         mult *= s
-    return lin
+    return join_digits(sympy.expand(lin))
 
 
-def delinearize(lin, shape):
+def join_digits(lin):
+    """``lin`` with each set of terms ``c * b * ((x // b) % m)`` (and ``c * b * (x // b)``)
+    that covers adjacent ranges of x's digits merged: ``35 * (x // 35) + 7 * ((x // 7) % 5) +
+    x % 7`` is ``x``. Exact for nonnegative x: each term is c * (x mod hi - x mod lo)."""
+    groups, rest = {}, []
+    for term in sympy.Add.make_args(lin):
+        coeff, atom = term.as_coeff_Mul()
+        if isinstance(atom, FloorDiv) and atom.args[1].is_Integer:
+            x, lo, hi = atom.args[0], int(atom.args[1]), None
+        elif isinstance(atom, ModularIndexing) and atom.args[1].is_Integer \
+                and atom.args[2].is_Integer:
+            x, lo = atom.args[0], int(atom.args[1])
+            hi = lo * int(atom.args[2])
+        else:
+            rest.append(term)
+            continue
+        if not coeff.is_Integer or int(coeff) % lo:
+            rest.append(term)
+            continue
+        groups.setdefault((x, int(coeff) // lo), []).append((lo, hi, term))
+    out = list(rest)
+    for (x, c), spans in groups.items():
+        spans.sort(key=lambda t: t[0])
+        merged = [list(spans[0][:2]) + [[spans[0][2]]]]
+        for lo, hi, term in spans[1:]:
+            if merged[-1][1] == lo:
+                merged[-1][1] = hi
+                merged[-1][2].append(term)
+            else:
+                merged.append([lo, hi, [term]])
+        for lo, hi, terms in merged:
+            if len(terms) == 1:
+                out.append(terms[0])
+            elif hi is None:
+                out.append(c * x if lo == 1 else c * lo * FloorDiv(x, lo))
+            else:
+                out.append(c * lo * ModularIndexing(x, lo, hi // lo))
+    return sympy.Add(*out)
+
+
+def delinearize(lin, shape, ranges=None):
+    """The index in ``shape`` of row-major position ``lin``. With ``ranges`` ({symbol: its
+    exclusive upper bound}, the iteration's own symbols), a position that is a sum of
+    nonnegative integer multiples of bounded symbols is split exactly where it can be: the
+    terms whose coefficients a dimension's stride divides go to the outer dims, the rest stays
+    if it cannot reach that stride (r1 * K + col with col < K: (r1, col), not (r1 + col // K,
+    col % K))."""
+    if ranges:
+        split = _split(lin, shape, ranges)
+        if split is not None:
+            return split
     out, mult = [], sympy.Integer(1)
     for k in reversed(range(len(shape))):
         if shape[k] == 1:
@@ -46,7 +99,39 @@ def delinearize(lin, shape):
     return tuple(reversed(out))
 
 
-def view_index(index: tuple, out_shape: tuple, in_shape: tuple, hints: dict) -> tuple:
+def _split(lin, shape, ranges):
+    """``delinearize`` without floor divisions, or None where that is not exact."""
+    if not all(sympy.sympify(s).is_Integer for s in shape):
+        return None
+    terms = []
+    for term in sympy.Add.make_args(sympy.expand(lin)):
+        coeff, rest = term.as_coeff_Mul()
+        bounded = rest == 1 or (rest.is_Symbol and rest in ranges)
+        if not coeff.is_Integer or coeff < 0 or not bounded:
+            return None
+        top = sympy.Integer(1) if rest == 1 else sympy.sympify(ranges[rest]) - 1   # largest
+        if not top.is_Integer:
+            return None
+        if coeff:
+            terms.append((int(coeff), rest, int(top)))
+    out, stride = [], 1
+    strides = []
+    for s in reversed(shape):
+        strides.append(stride)
+        stride *= int(s)
+    strides.reverse()
+    for k, size in enumerate(shape):        # outer dims first: each takes the terms it divides
+        st, nxt = strides[k], (strides[k - 1] if k else None)
+        mine = [(c, r, m) for c, r, m in terms if c % st == 0 and (nxt is None or c < nxt)]
+        if sum(c // st * m for c, _, m in mine) >= int(size) and k:
+            return None                         # could carry into the dim outside
+        out.append(sum((sympy.Integer(c // st) * r for c, r, _ in mine), sympy.Integer(0)))
+        terms = [t for t in terms if t not in mine]
+    return tuple(out) if not terms else None
+
+
+def view_index(index: tuple, out_shape: tuple, in_shape: tuple, hints: dict,
+               ranges: dict | None = None) -> tuple:
     """Index into the input of a view/reshape, given the index into its output.
 
     Dims are matched in groups of equal products (as torch's view does); a group of one dim on
@@ -78,7 +163,7 @@ def view_index(index: tuple, out_shape: tuple, in_shape: tuple, hints: dict) -> 
         if len(o_dims) == 1 and len(i_dims) == 1:
             result.append(o_idx[0])
         else:
-            result.extend(delinearize(linearize(o_idx, o_dims), i_dims))
+            result.extend(delinearize(linearize(o_idx, o_dims), i_dims, ranges))
     return tuple(result)
 
 

@@ -25,11 +25,11 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, print_expr, roll_index,
-                       view_index)
+from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, print_expr,
+                       roll_index, view_index)
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
-from .lowered import COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args
+from .lowered import COL, GATHERS, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args
 
 
 def iteration_space(ir: KernelIR):
@@ -45,7 +45,8 @@ def iteration_space(ir: KernelIR):
         rows = shape[:-1]
         allowed = {shape, rows + (sympy.Integer(1),), rows}
         bad = {ir.values[o].shape for o in ir.outputs
-               if ir.values[o].shape not in allowed and layout_chain(ir, o, shape) is None}
+               if ir.values[o].shape not in allowed and layout_chain(ir, o, shape) is None
+               and not reshaped(ir, o, shape)}
         if bad:
             raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
                              f"per-row of the reduction over {shape}")
@@ -65,6 +66,35 @@ _LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default
                    ROLL}
 
 
+_MOVES = {"aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.as_strided.default",
+          "aten.cat.default", "aten.constant_pad_nd.default", ROLL} | set(GATHERS)
+
+
+def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
+    """Whether value ``vid`` may be an output of a row kernel over ``shape`` in another shape:
+    as many elements, in the same order, computed by pointwise ops from the rows' values
+    reshaped (a GroupNorm's [N, C, H, W] output of its [N, groups, C/groups * H * W] rows, and
+    the SiLU after it). Stored where the reshape puts each element of the iteration, by the
+    output's strides. Nothing on the way may move elements (a permute, a cat, a gather...):
+    each element is computed where its row is."""
+    def numel(s):
+        return sympy.Mul(*s) if s else sympy.Integer(1)
+    out = ir.values[vid].shape
+    if not out or tuple(out) == tuple(shape) or sympy.simplify(numel(out) - numel(shape)) != 0:
+        return False
+    n_in, stack, seen = len(ir.inputs), [vid], set()
+    while stack:                # the ops computing vid in its own shape, back to the rows
+        v = stack.pop()
+        if v in seen or v < n_in or ir.values[v].shape != out:
+            continue
+        seen.add(v)
+        op = ir.ops[v - n_in]
+        if op.target in _MOVES or op.target in REDUCTIONS:
+            return False
+        stack.extend(r for r in map(ref_id, flat_args(op.args)) if r is not None)
+    return True
+
+
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):
     """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
     per-element value ``root`` laid out again by those ops (root first: views, permutes, a
@@ -81,8 +111,10 @@ def layout_chain(ir: KernelIR, vid: int, shape: tuple):
         if op.target == "aten.constant_pad_nd.default" and any(p != 0 for p in op.args[1]):
             return None
         if op.target == "aten.clone.default" and str(dict(op.kwargs).get("memory_format")) not in (
-                "None", "torch.contiguous_format", "torch.preserve_format"):
-            return None         # the IR spells a memory format as its str
+                "None", "torch.contiguous_format", "torch.preserve_format",
+                "torch.channels_last", "torch.channels_last_3d"):
+            return None         # the IR spells a memory format as its str; the store uses
+                                # the output's strides, whichever format made them
         ops.append((op, vid))
         vid = src
     return (vid, ops[::-1]) if ops else None
@@ -123,6 +155,8 @@ class Lowering(PointwiseLowering):
         sizes = self.shape[:-1] if self.kind == "row" else self.shape
         self.full = tuple(sympy.Integer(0) if n == 1 else s
                           for s, n in zip(self.iter_syms, sizes)) + self.iter_syms[len(sizes):]
+        # each iteration symbol's bound, so reshapes split a position exactly (delinearize)
+        self.ranges = dict(zip(self.iter_syms, self.shape))
         self.phases = [Phase()]
         self.memo: dict = {}
         self.counter = 0
@@ -158,6 +192,11 @@ class Lowering(PointwiseLowering):
                 root, ops = chain
                 var = self.value(root, full, frozenset())
                 index = push_index(full, self.ir, root, ops, self.hints)
+                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            elif self.kind == "row" and val.shape not in (self.shape[:-1], self.shape[:-1] + (1,)) \
+                    and reshaped(self.ir, vid, self.shape):
+                index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
+                var = self.value(vid, index, frozenset())
                 self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
             elif self.kind == "row" and val.shape != self.shape:
                 index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
@@ -234,7 +273,10 @@ class Lowering(PointwiseLowering):
     def _offset(self, index, stride):
         if len(index) != len(stride):
             raise NotFusable(f"index of rank {len(index)} for a tensor of rank {len(stride)}")
-        return sympy.expand(sum((i * s for i, s in zip(index, stride)), sympy.Integer(0)))
+        # the digits of one value put back together (a GroupNorm's row read through its
+        # channels: ``35 * (col // 35) + 7 * ((col // 7) % 5) + col % 7`` is ``col``)
+        return join_digits(sympy.expand(sum((i * s for i, s in zip(index, stride)),
+                                            sympy.Integer(0))))
 
     def _op(self, vid, op: IROp, index, preds) -> Var:
         out = self.ir.values[vid]
@@ -244,7 +286,7 @@ class Lowering(PointwiseLowering):
         if t in VIEWS:
             src = ref_id(args[0])
             return self.value(src, view_index(index, out.shape, self.ir.values[src].shape,
-                                              self.hints), preds)
+                                              self.hints, self.ranges), preds)
         if t == "aten.expand.default":
             src = ref_id(args[0])
             return self.value(src, broadcast_index(index, out.shape, self.ir.values[src].shape),

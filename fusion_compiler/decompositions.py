@@ -8,6 +8,8 @@ pointwise ops and last-dim reductions the code generator fuses:
     _softmax, _log_softmax (+ backward) -> amax, sub, exp, sum, div
     split, split_with_sizes           -> slices (views)
     var_mean.correction               -> our two-pass form below (no prims in the graph)
+    native_group_norm                 -> our form below: statistics over the last dim of an
+                                         [N, groups, C/groups * HxW] view, the output in place
 
 GEMMs (baddbmm too, which the core table would turn into an fp32 bmm), attention
 (scaled_dot_product_attention) and everything else stay as they are.
@@ -18,6 +20,9 @@ import functools
 
 import torch
 from torch._decomp import get_decompositions
+
+from .codegen.triton_lib import interpreting
+from .config import Config
 
 try:
     # PyTorch's list of core ATen decompositions. core_aten_decompositions() adds to it an
@@ -66,6 +71,42 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
     return var.to(x.dtype), mean.to(x.dtype)
 
 
+def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
+    """GroupNorm as one row reduction over x viewed [N, groups, C/groups * HxW]: the mean, then
+    the variance (two passes, fp32 for bf16/fp16), the output computed on those rows (weight
+    and bias broadcast to them by channel) and viewed back to x's shape, rounded to x's dtype
+    once, as ATen's kernel rounds it; in x's memory format, as ATen gives it. The generated row
+    kernel computes each row's statistics and its elements (a UNet's GroupNorm + SiLU is one
+    kernel); the weight's and bias's broadcast to the rows is index arithmetic there (a
+    reshape of an expand, which ATen alone would copy). ``(out, mean, rstd)``, mean and rstd
+    [N, groups] in x's dtype, as ATen returns them. On the CPU, where no kernel runs unless
+    Triton's interpreter does, ATen's own kernel is kept (NotImplemented: traced as it is),
+    except where kernels are made to be shown (``emit_sources``: `dump`, as on a GPU)."""
+    if x.dim() < 2 or c % groups:
+        return NotImplemented
+    if x.device.type == "cpu" and not interpreting() and not Config.from_env().emit_sources:
+        return NotImplemented
+    acc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    cpg = c // groups
+    rows = acc.reshape(n, groups, cpg * hxw)
+    mean = torch.mean(rows, [-1], keepdim=True)
+    var = torch.mean((rows - mean) * (rows - mean), [-1], keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    out = (rows - mean) * rstd
+
+    def per_channel(v):
+        return v.view(1, groups, cpg, 1).expand(n, groups, cpg, hxw).reshape(n, groups, cpg * hxw)
+    if weight is not None:
+        out = out * per_channel(weight)
+    if bias is not None:
+        out = out + per_channel(bias)
+    out = out.view(x.shape).to(x.dtype)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
+            and not x.is_contiguous():
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out, mean.view(n, groups).to(x.dtype), rstd.view(n, groups).to(x.dtype)
+
+
 @functools.lru_cache(maxsize=1)
 def _table() -> dict:
     # attention stays one ATen op (FlashAttention / memory-efficient kernels on the GPU); so
@@ -76,6 +117,7 @@ def _table() -> dict:
              if "scaled_dot_product" not in str(op) and op.overloadpacket is not aten.baddbmm}
     table.update(get_decompositions(_ops(_EXTRA)))
     table[aten.var_mean.correction] = var_mean_correction
+    table[aten.native_group_norm.default] = native_group_norm
     return table
 
 
