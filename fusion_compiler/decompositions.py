@@ -101,9 +101,9 @@ def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
     if bias is not None:
         out = out + per_channel(bias)
     out = out.view(x.shape).to(x.dtype)
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
-            and not x.is_contiguous():
-        out = out.contiguous(memory_format=torch.channels_last)
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if fmt is not None and x.is_contiguous(memory_format=fmt) and not x.is_contiguous():
+        out = out.contiguous(memory_format=fmt)
     return out, mean.view(n, groups).to(x.dtype), rstd.view(n, groups).to(x.dtype)
 
 

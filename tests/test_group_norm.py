@@ -33,13 +33,18 @@ def test_group_norm_and_silu_are_one_kernel(dtype, channels_last, groups, device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(2, 6, 11), (4, 10), (2, 6, 3, 4, 5)])
+@pytest.mark.parametrize("shape", [(2, 6, 11), (4, 10), (2, 6, 3, 4, 5), "3d"])
 def test_group_norm_of_other_ranks_and_without_affine(dtype, shape, device):
-    """[N, C, L] (audio), [N, C] (HxW of 1) and 5-d inputs; no weight, no bias."""
-    x = randn(shape, dtype, device)
+    """[N, C, L] (audio), [N, C] (HxW of 1) and 5-d inputs, channels-last too; no weight, no
+    bias."""
+    if shape == "3d":
+        x = randn((2, 6, 3, 4, 5), dtype, device).to(memory_format=torch.channels_last_3d)
+    else:
+        x = randn(shape, dtype, device)
     f = lambda x: F.group_norm(x, 2) * 3         # noqa: E731
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert out.stride() == f(x).stride()
     assert_close(out, f(x), dtype=dtype)
 
 
