@@ -2,7 +2,8 @@
 
 Hypothesis draws a random DAG of ops the compiler claims to fuse -- pointwise unary and binary
 ops with broadcasting operands (incl. 0-dim tensors and Python scalars), dtype casts, views
-(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand), ``gather`` along a dim
+(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand, rolls), ``gather`` and
+``index_select`` along a dim
 by an index made from constants, ``cat`` along the last dim, last-dim reductions
 (sum/mean/amax/amin, keepdim or not, then broadcast back; softmax) and
 now and then an op that stays on ATen (cumsum) -- over random shapes (odd sizes included),
@@ -74,7 +75,7 @@ FUSED_OP_NAMES = {
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
     "relu", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "gt", "lt", "ge",
     "le", "eq", "ne", "_to_copy", "convert_element_type", "clone", "copy", "cat", "sum", "mean",
-    "amax", "amin", "gather",
+    "amax", "amin", "gather", "index_select", "roll",
 }
 
 
@@ -404,7 +405,7 @@ class _Builder:
         r = len(sa)
         kind = kind or d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose",
                                           "permute", "contiguous", "slice", "expand",
-                                          "gather"]))
+                                          "gather", "index_select", "roll"]))
         b = self.bound(a)
         if kind == "gather":
             # along one dim, by an index made from constants (folded at compile time): each
@@ -417,6 +418,23 @@ class _Builder:
             index = (f"(torch.arange({n}, device={a}.device) * {m} % {n}).view({at})"
                      f".expand({', '.join(map(str, sa))})")
             return self.add("gather", f"torch.gather({a}, {k}, {index})", [a], b)
+        if kind == "index_select":
+            # along one dim, by a constant index of another length (folded at compile time):
+            # a gather by a 1-d index, repeats included
+            if r == 0:
+                return None
+            k = d(st.integers(0, r - 1))
+            n, m = sa[k], d(st.sampled_from([1, 2, 3, 5, 7]))
+            length = d(st.integers(1, n + 2))
+            index = f"(torch.arange({length}, device={a}.device) * {m} % {n})"
+            return self.add("index_select", f"{a}.index_select({k}, {index})", [a], b)
+        if kind == "roll":
+            # torch.roll along one or two dims: a rotation by a folded index (passes/roll.py)
+            if r == 0:
+                return None
+            dims = d(st.permutations(list(range(r))))[:d(st.integers(1, min(r, 2)))]
+            shifts = [d(st.integers(-sa[k] - 1, sa[k] + 1)) for k in dims]
+            return self.add("roll", f"torch.roll({a}, {shifts}, {list(dims)})", [a], b)
         if kind == "reshape":
             how = d(st.sampled_from(["merge", "split", "flatten"]))
             if how == "merge" and r >= 2:
@@ -580,7 +598,7 @@ def error_bound(prog: Program, vals: dict) -> dict:
         ein = max(es, default=0.0)
         k = op.kind
         if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat",
-                 "gather"):
+                 "gather", "index_select", "roll"):
             err = ein                                   # exact, Lipschitz 1 (or a selection)
         elif k == "cast":
             err = ein + _flip(y, ein)
