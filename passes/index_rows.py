@@ -10,8 +10,16 @@ index kernel and a copy per block. Here it becomes
 
 which the fusion pass takes as a gather (``classify``), joining the kernel that reads it. An
 index outside [-rows, rows) stays an error: the gather asserts its index (codegen ``_index``),
-as eager's index does. Left alone: boolean masks, several index tensors, an index on another
-dimension, tables of another rank, symbolic row counts.
+as eager's index does.
+
+One integer index tensor on another dimension, or of a tensor of another rank
+(``x[:, cols]``, ``x[..., idx]``: ``index.Tensor(x, [None, ..., idx])``), picks along that
+dimension, and becomes
+
+    index_select(x, d, where(idx < 0, idx + n, idx).view(-1)).view(x[:d] + idx + x[d+1:])
+
+the same values in the same dims (one advanced index keeps its place). Left alone: boolean
+masks, several index tensors, symbolic sizes along the picked dimension.
 """
 from __future__ import annotations
 
@@ -33,24 +41,36 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
                 or len(node.args) != 2 or node.kwargs:
             continue
         table, indices = node.args
-        if not isinstance(indices, (list, tuple)) or len(indices) != 1 \
-                or not isinstance(indices[0], torch.fx.Node):
+        if not isinstance(indices, (list, tuple)):
             continue
-        (idx,) = indices
+        tensors = [k for k, i in enumerate(indices) if i is not None]
+        if len(tensors) != 1 or not isinstance(indices[tensors[0]], torch.fx.Node):
+            continue
+        d, idx = tensors[0], indices[tensors[0]]
         out, t, i = _val(node), _val(table), _val(idx)
-        if out is None or t is None or i is None or t.dim() != 2 \
-                or i.dtype not in (torch.int32, torch.int64) or not isinstance(t.shape[0], int) \
+        if out is None or t is None or i is None or d >= t.dim() \
+                or i.dtype not in (torch.int32, torch.int64) or not isinstance(t.shape[d], int) \
                 or i.device != t.device:
             continue
+        embedding = d == 0 and t.dim() == 2
+        if not embedding and not all(isinstance(s, int) for s in (*t.shape, *i.shape)):
+            continue                    # the view back would have symbolic sizes
         mode = out.fake_mode
         with gm.graph.inserting_before(node):
             negative = emit(gm, aten.lt.Scalar, (idx, 0), mode)
-            wrapped = emit(gm, aten.add.Tensor, (idx, t.shape[0]), mode)
+            wrapped = emit(gm, aten.add.Tensor, (idx, t.shape[d]), mode)
             where = emit(gm, aten.where.self, (negative, wrapped, idx), mode)
-            rows = emit(gm, aten.embedding.default, (table, where), mode)
-        got = rows.meta["val"]
+            made = [negative, wrapped, where]
+            if embedding:
+                made.append(emit(gm, aten.embedding.default, (table, where), mode))
+            else:
+                flat = emit(gm, aten.reshape.default, (where, [-1]), mode)
+                picked = emit(gm, aten.index_select.default, (table, d, flat), mode)
+                shape = [*t.shape[:d], *i.shape, *t.shape[d + 1:]]
+                made += [flat, picked, emit(gm, aten.view.default, (picked, shape), mode)]
+        rows, got = made[-1], made[-1].meta["val"]
         if (got.shape, got.stride(), got.dtype) != (out.shape, out.stride(), out.dtype):
-            for n in (rows, where, wrapped, negative):
+            for n in reversed(made):
                 gm.graph.erase_node(n)
             continue
         node.replace_all_uses_with(rows)
@@ -58,5 +78,5 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         done += 1
     if done:
         gm.recompile()
-        log.info("fusion-compiler: %d row picks by index made gathers", done)
+        log.info("fusion-compiler: %d picks by an index tensor made gathers", done)
     return done

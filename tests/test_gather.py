@@ -197,15 +197,37 @@ def test_rows_picked_by_an_index_tensor_are_a_gather_in_the_kernel(dtype, index_
 
 
 def test_other_index_forms_stay_on_aten(device):
-    """A boolean mask, or an index on another dimension, is not a pick of rows: left on ATen,
+    """A boolean mask, or two index tensors, is not a pick along one dimension: left on ATen,
     eager's values."""
     x = torch.randn(6, 5, device=device)
     keep = torch.tensor([True, False, True, True, False, True], device=device)
-    cols = torch.tensor([4, 0, 2], device=device)
-    for f in (lambda x: x[keep] * 2, lambda x: x[:, cols] * 2):
+    rows, cols = torch.tensor([1, 5, 0], device=device), torch.tensor([4, 0, 2], device=device)
+    for f in (lambda x: x[keep] * 2, lambda x: x[rows, cols] * 2):
         out, reports = compile_and_run(f, (x,))
         assert "aten.index.Tensor" in leftover_aten(reports)
         assert torch.equal(out, f(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("form", ["cols", "last", "2d", "rows3d"])
+def test_a_pick_along_any_dimension_is_a_gather(dtype, index_dtype, form, device):
+    """``x[:, idx]``, ``x[..., idx]``, a 2-d index, rows of a 3-d tensor: an index_select in the
+    kernel that reads it, negative indices counting from the end, the dims where eager puts
+    them."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 7, 9, generator=g).to(device=device, dtype=dtype)
+    n = {"cols": 7, "last": 9, "2d": 7, "rows3d": 4}[form]
+    idx = torch.randint(-n, n, (2, 3) if form == "2d" else (5,), generator=g)
+    idx = idx.to(device=device, dtype=index_dtype)
+    pick = {"cols": lambda x, i: x[:, i], "last": lambda x, i: x[..., i],
+            "2d": lambda x, i: x[:, i], "rows3d": lambda x, i: x[i]}[form]
+    f = lambda x, i: pick(x.sigmoid(), i) * 2 + 1        # noqa: E731
+    out, reports = compile_and_run(f, (x, idx))
+    assert kernel_count(reports) == 1 and not leftover_aten(reports)
+    assert "aten.index_select.default" in reports[0].kernels[0]["ops"]
+    assert out.shape == f(x, idx).shape
+    assert_close(out, f(x, idx), dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
