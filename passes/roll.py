@@ -4,16 +4,18 @@ graph, first passes, after constant_fold).
 ``torch.roll`` has no ATen kernel in the graphs aot_autograd hands us: its decomposition
 (``torch._refs.roll``) picks along each rolled dimension with ``index_select(x, d,
 fmod(arange(n) + k, n))``, one dimension at a time. constant_fold computes the index once,
-so the graph holds ``index_select(x, d, <constant>)``, which no kernel fuses: Swin's shifted
-windows are four such ATen kernels a shifted block (Swin-T at batch 32 on the H200: 20
-kernels, about 400 us of a 3.7 ms call, BENCHMARKS.md). Where the constant is that rotation,
+so the graph holds ``index_select(x, d, <constant>)``: before this pass and the gathers by
+index_select, Swin's shifted windows were four ATen kernels a shifted block (Swin-T at batch
+32 on the H200: 20 kernels, about 400 us of a 3.7 ms call, BENCHMARKS.md). A gather would
+load the index; where the constant is that rotation,
 
     index_select(x, d, (arange(n) + k) % n)   ->   roll(x, [(n - k) % n], [d])
 
 the same values (``roll``'s output at i is x at (i - shift) mod n), which the fusion pass takes
 as index arithmetic (``classify``): read at the rotated index by a kernel that reads it, or
-stored there by the row kernel that computes x (codegen ``layout_chain``). Left alone: any
-other index, an index computed at run time, symbolic sizes.
+stored there by the row kernel that computes x (codegen ``layout_chain``), which a gather
+cannot be. Any other index, one computed at run time (symbolic sizes) stays an index_select,
+a gather that loads its index.
 """
 from __future__ import annotations
 
