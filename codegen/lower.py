@@ -27,9 +27,10 @@ import torch
 from . import ops
 from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, print_expr,
                        roll_index, view_index)
+from .row_outputs import ROLL, layout_chain, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
-from .lowered import COL, GATHERS, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args
+from .lowered import COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args
 
 
 def iteration_space(ir: KernelIR):
@@ -54,93 +55,6 @@ def iteration_space(ir: KernelIR):
     if len(out_shapes) != 1:
         raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}")
     return "pointwise", out_shapes.pop()
-
-
-# ops that only lay out their one input again: an output reached from a per-element value of
-# a row kernel through them is that value stored at another address (Swin's window partition,
-# and its cyclic shift before it: a roll)
-ROLL = "aten.roll.default"
-_LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
-                   "aten.clone.default", "aten.alias.default", "aten.detach.default",
-                   "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default",
-                   ROLL}
-
-
-_MOVES = {"aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.as_strided.default",
-          "aten.cat.default", "aten.constant_pad_nd.default", ROLL} | set(GATHERS)
-
-
-def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
-    """Whether value ``vid`` may be an output of a row kernel over ``shape`` in another shape:
-    as many elements, in the same order, computed by pointwise ops from the rows' values
-    reshaped (a GroupNorm's [N, C, H, W] output of its [N, groups, C/groups * H * W] rows, and
-    the SiLU after it). Stored where the reshape puts each element of the iteration, by the
-    output's strides. Nothing on the way may move elements (a permute, a cat, a gather...):
-    each element is computed where its row is."""
-    def numel(s):
-        return sympy.Mul(*s) if s else sympy.Integer(1)
-    out = ir.values[vid].shape
-    if not out or tuple(out) == tuple(shape) or sympy.simplify(numel(out) - numel(shape)) != 0:
-        return False
-    n_in, stack, seen = len(ir.inputs), [vid], set()
-    while stack:                # the ops computing vid in its own shape, back to the rows
-        v = stack.pop()
-        if v in seen or v < n_in or ir.values[v].shape != out:
-            continue
-        seen.add(v)
-        op = ir.ops[v - n_in]
-        if op.target in _MOVES or op.target in REDUCTIONS:
-            return False
-        stack.extend(r for r in map(ref_id, flat_args(op.args)) if r is not None)
-    return True
-
-
-def layout_chain(ir: KernelIR, vid: int, shape: tuple):
-    """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
-    per-element value ``root`` laid out again by those ops (root first: views, permutes, a
-    clone, a padding of 0, a roll), each element once; else None. A roll keeps the shape, so
-    the walk goes on through rolls of the reduction's shape too."""
-    ops, n_in = [], len(ir.inputs)
-    while ir.values[vid].shape != shape or (vid >= n_in and ir.ops[vid - n_in].target == ROLL):
-        if vid < n_in:
-            return None
-        op = ir.ops[vid - n_in]
-        src = ref_id(op.args[0]) if op.args else None
-        if op.target not in _LAYOUT or src is None:
-            return None
-        if op.target == "aten.constant_pad_nd.default" and any(p != 0 for p in op.args[1]):
-            return None
-        if op.target == "aten.clone.default" and str(dict(op.kwargs).get("memory_format")) not in (
-                "None", "torch.contiguous_format", "torch.preserve_format",
-                "torch.channels_last", "torch.channels_last_3d"):
-            return None         # the IR spells a memory format as its str; the store uses
-                                # the output's strides, whichever format made them
-        ops.append((op, vid))
-        vid = src
-    return (vid, ops[::-1]) if ops else None
-
-
-def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) -> tuple:
-    """The index into the last of ``ops``' results of the element at ``index`` of ``root``."""
-    shape = ir.values[root].shape
-    for op, vid in ops:
-        t, out = op.target, ir.values[vid].shape
-        if t in VIEWS:
-            index = view_index(index, shape, out, hints)     # a reshape maps both ways alike
-        elif t == "aten.permute.default":
-            index = tuple(index[d % len(shape)] for d in op.args[1])
-        elif t in ("aten.transpose.int", "aten.t.default"):
-            index = _INDEX_OPS[t](index, op.args, shape)      # its own inverse
-        elif t == "aten.unsqueeze.default":
-            d = op.args[1] % len(out)
-            index = index[:d] + (sympy.Integer(0),) + index[d:]
-        elif t == "aten.squeeze.dim":
-            d = op.args[1] % len(shape)
-            index = index[:d] + index[d + 1:] if shape[d] == 1 else index
-        elif t == ROLL:
-            index = roll_index(index, op.args, shape, forward=True)
-        shape = out
-    return index
 
 
 class Lowering(PointwiseLowering):
@@ -185,23 +99,22 @@ class Lowering(PointwiseLowering):
                 self._next_phase()
                 self.phases[-1].outer.extend(self.pending)
                 self.pending = []
+        row, per_row = self.kind == "row", (self.shape[:-1], self.shape[:-1] + (1,))
         for pos, vid in enumerate(self.ir.outputs):
             val = self.ir.values[vid]
-            chain = layout_chain(self.ir, vid, self.shape) if self.kind == "row" else None
-            if chain is not None and val.shape not in (self.shape[:-1], self.shape[:-1] + (1,)):
+            if row and val.shape != self.shape and val.shape in per_row:
+                index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
+                var = self.value(vid, index, frozenset())
+                self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
+            elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:
                 root, ops = chain
                 var = self.value(root, full, frozenset())
                 index = push_index(full, self.ir, root, ops, self.hints)
                 self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
-            elif self.kind == "row" and val.shape not in (self.shape[:-1], self.shape[:-1] + (1,)) \
-                    and reshaped(self.ir, vid, self.shape):
+            elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
                 index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
                 var = self.value(vid, index, frozenset())
                 self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
-            elif self.kind == "row" and val.shape != self.shape:
-                index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
-                var = self.value(vid, index, frozenset())
-                self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
             else:
                 var = self.value(vid, full, frozenset())
                 self._emit_to(True, ("store", pos, var, self._offset(full, val.stride), True))
@@ -308,9 +221,9 @@ class Lowering(PointwiseLowering):
         if t == "aten.embedding.default":
             return self._embedding(args, index, preds)
         if t == "aten.gather.default":
-            return self._gather(args, index, preds)
+            return self._gather(args, index, preds, "gather")
         if t == "aten.index_select.default":
-            return self._index_select(args, index, preds)
+            return self._gather(args, index, preds, "index_select")
         return self._pointwise(vid, op, index, preds)
 
     def _embedding(self, args, index, preds):
@@ -326,22 +239,15 @@ class Lowering(PointwiseLowering):
         return self._load(table, (row, index[-1]), preds | inside,
                           self.ir.values[table].stride, sympy.Integer(0))
 
-    def _gather(self, args, index, preds):
-        """``src[..., idx[index], ...]`` along ``dim``: the index is loaded, then ``src`` is
-        evaluated at the index it names (loaded, or computed there), checked as embedding's."""
+    def _gather(self, args, index, preds, op):
+        """``src[..., idx[...], ...]`` along ``dim``: the index is loaded (or computed there) at
+        ``index`` for a gather (an index of src's rank), at ``index[dim]`` for an index_select
+        (a 1-d index); then ``src`` is evaluated at the index it names, checked as embedding's."""
         src, dim, idx = ref_id(args[0]), args[1], ref_id(args[2])
         shape = self.ir.values[src].shape
         dim = dim % len(shape)
-        at, inside = self._index(idx, index, preds, shape[dim], "gather")
-        return self.value(src, index[:dim] + (at,) + index[dim + 1:], preds | inside)
-
-    def _index_select(self, args, index, preds):
-        """``src`` along ``dim`` at ``idx[index[dim]]`` (a 1-d index, loaded or computed
-        there), checked as embedding's."""
-        src, dim, idx = ref_id(args[0]), args[1], ref_id(args[2])
-        shape = self.ir.values[src].shape
-        dim = dim % len(shape)
-        at, inside = self._index(idx, (index[dim],), preds, shape[dim], "index_select")
+        at, inside = self._index(idx, index if op == "gather" else (index[dim],), preds,
+                                 shape[dim], op)
         return self.value(src, index[:dim] + (at,) + index[dim + 1:], preds | inside)
 
     def _index(self, idx, index, preds, size, op):

@@ -127,25 +127,23 @@ def _is_plain_gather(node: torch.fx.Node) -> bool:
     idx)`` by int64 indices of src's rank, or ``index_select(src, dim, idx)`` by a 1-d
     int32/int64 index; the other arguments (padding_idx, scale_grad_by_freq, sparse,
     sparse_grad) change no forward value."""
+    ints = (torch.int32, torch.int64)
     if node.target is aten.embedding.default:
-        (src, idx), dtypes = node.args[:2], (torch.int32, torch.int64)
-    elif node.target is aten.index_select.default:
-        (src, dim, idx), dtypes = node.args[:3], (torch.int32, torch.int64)
-        i = idx.meta.get("fc_tensor") if isinstance(idx, torch.fx.Node) else None
-        if not isinstance(dim, int) or i is None or i.ndim != 1:
-            return False
+        (src, idx), dim, dtypes = node.args[:2], 0, ints
     else:
-        (src, dim, idx), dtypes = node.args[:3], (torch.int64,)
-        if not isinstance(dim, int):
-            return False
-    if not isinstance(src, torch.fx.Node) or not isinstance(idx, torch.fx.Node):
+        (src, dim, idx), dtypes = node.args[:3], (
+            ints if node.target is aten.index_select.default else (torch.int64,))
+    if not isinstance(dim, int) or not isinstance(src, torch.fx.Node) \
+            or not isinstance(idx, torch.fx.Node):
         return False
     s, i = src.meta.get("fc_tensor"), idx.meta.get("fc_tensor")
     if s is None or i is None or i.dtype not in dtypes or is_host_scalar(i):
         return False
     if node.target is aten.embedding.default:
         return s.ndim == 2
-    return s.ndim >= 1 if node.target is aten.index_select.default else s.ndim == i.ndim >= 1
+    if node.target is aten.index_select.default:
+        return s.ndim >= 1 and i.ndim == 1
+    return s.ndim == i.ndim >= 1
 
 
 def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:

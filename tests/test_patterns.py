@@ -196,7 +196,7 @@ def _window_norm(pad):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_norm_stores_its_rows_in_window_order(dtype, device):
     """The window partition after a LayerNorm joins the norm's kernel: each element of a row
-    is stored where the windows' layout puts it (codegen/lower.py ``layout_chain``), the values
+    is stored where the windows' layout puts it (codegen/row_outputs.py ``layout_chain``), the values
     bit-equal to the same kernel's output laid out into windows afterwards. Odd sizes."""
     x, r = randn((3, 60, 24), dtype, device), randn((3, 60, 24), dtype, device)
     w, b = randn((24,), dtype, device), randn((24,), dtype, device)

@@ -1,6 +1,6 @@
 """torch.roll (Swin's cyclic window shift): its decomposition's index_select by a constant
 rotation becomes a roll (passes/roll.py), which kernels do by index arithmetic: read at the
-rotated index, or, after a row kernel, stored there (codegen/lower.py ``layout_chain``).
+rotated index, or, after a row kernel, stored there (codegen/row_outputs.py ``layout_chain``).
 Kernel counts and values against eager, odd sizes, each dtype with its tolerance."""
 import pytest
 import torch

@@ -1,0 +1,104 @@
+"""Where a row kernel may store an output that is not per element or per row of its
+reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
+
+- ``layout_chain``: a per-element value laid out again by views, permutes, a clone, a zero
+  padding or a roll (Swin's cyclic shift and window partition after its LayerNorm), stored at
+  the index ``push_index`` maps each element to;
+- ``reshaped``: a value of as many elements in another shape, computed by pointwise ops from
+  the rows reshaped (GroupNorm's [N, C, H, W] output of its [N, groups, C/groups * HxW] rows),
+  computed and stored at the index the reshape gives each element of the iteration.
+"""
+from __future__ import annotations
+
+import sympy
+
+from .indexing import INDEX_OPS, roll_index, view_index
+from .kernel_ir import KernelIR, ref_id
+from .lowered import GATHERS, REDUCTIONS, VIEWS, flat_args
+
+
+# ops that only lay out their one input again: an output reached from a per-element value of
+# a row kernel through them is that value stored at another address (Swin's window partition,
+# and its cyclic shift before it: a roll)
+ROLL = "aten.roll.default"
+_LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
+                   "aten.clone.default", "aten.alias.default", "aten.detach.default",
+                   "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default",
+                   ROLL}
+
+
+_MOVES = {"aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.as_strided.default",
+          "aten.cat.default", "aten.constant_pad_nd.default", ROLL} | set(GATHERS)
+
+
+def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
+    """Whether value ``vid`` may be an output of a row kernel over ``shape`` in another shape:
+    as many elements, in the same order, computed by pointwise ops from the rows' values
+    reshaped (a GroupNorm's [N, C, H, W] output of its [N, groups, C/groups * H * W] rows, and
+    the SiLU after it). Stored where the reshape puts each element of the iteration, by the
+    output's strides. Nothing on the way may move elements (a permute, a cat, a gather...):
+    each element is computed where its row is."""
+    def numel(s):
+        return sympy.Mul(*s) if s else sympy.Integer(1)
+    out = ir.values[vid].shape
+    if not out or tuple(out) == tuple(shape) or sympy.simplify(numel(out) - numel(shape)) != 0:
+        return False
+    n_in, stack, seen = len(ir.inputs), [vid], set()
+    while stack:                # the ops computing vid in its own shape, back to the rows
+        v = stack.pop()
+        if v in seen or v < n_in or ir.values[v].shape != out:
+            continue
+        seen.add(v)
+        op = ir.ops[v - n_in]
+        if op.target in _MOVES or op.target in REDUCTIONS:
+            return False
+        stack.extend(r for r in map(ref_id, flat_args(op.args)) if r is not None)
+    return True
+
+
+def layout_chain(ir: KernelIR, vid: int, shape: tuple):
+    """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
+    per-element value ``root`` laid out again by those ops (root first: views, permutes, a
+    clone, a padding of 0, a roll), each element once; else None. A roll keeps the shape, so
+    the walk goes on through rolls of the reduction's shape too."""
+    ops, n_in = [], len(ir.inputs)
+    while ir.values[vid].shape != shape or (vid >= n_in and ir.ops[vid - n_in].target == ROLL):
+        if vid < n_in:
+            return None
+        op = ir.ops[vid - n_in]
+        src = ref_id(op.args[0]) if op.args else None
+        if op.target not in _LAYOUT or src is None:
+            return None
+        if op.target == "aten.constant_pad_nd.default" and any(p != 0 for p in op.args[1]):
+            return None
+        if op.target == "aten.clone.default" and str(dict(op.kwargs).get("memory_format")) not in (
+                "None", "torch.contiguous_format", "torch.preserve_format",
+                "torch.channels_last", "torch.channels_last_3d"):
+            return None         # the IR spells a memory format as its str; the store uses
+                                # the output's strides, whichever format made them
+        ops.append((op, vid))
+        vid = src
+    return (vid, ops[::-1]) if ops else None
+
+
+def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) -> tuple:
+    """The index into the last of ``ops``' results of the element at ``index`` of ``root``."""
+    shape = ir.values[root].shape
+    for op, vid in ops:
+        t, out = op.target, ir.values[vid].shape
+        if t in VIEWS:
+            index = view_index(index, shape, out, hints)     # a reshape maps both ways alike
+        elif t == "aten.permute.default":
+            index = tuple(index[d % len(shape)] for d in op.args[1])
+        elif t in ("aten.transpose.int", "aten.t.default"):
+            index = INDEX_OPS[t](index, op.args, shape)      # its own inverse
+        elif t == "aten.unsqueeze.default":
+            d = op.args[1] % len(out)
+            index = index[:d] + (sympy.Integer(0),) + index[d:]
+        elif t == "aten.squeeze.dim":
+            d = op.args[1] % len(shape)
+            index = index[:d] + index[d + 1:] if shape[d] == 1 else index
+        elif t == ROLL:
+            index = roll_index(index, op.args, shape, forward=True)
+        shape = out
+    return index
