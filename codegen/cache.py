@@ -21,7 +21,7 @@ from pathlib import Path
 
 import triton
 
-from . import ops, triton_lib
+from . import ops, row_loops, triton_lib
 from .triton_lib import interpreting
 
 log = logging.getLogger("fusion_compiler")
@@ -63,8 +63,10 @@ class KernelCache:
 
     @staticmethod
     def salt() -> tuple:
-        # torch's fp8 conversion rule (saturating or not) decides what the kernels emit
-        return (CODEGEN_FINGERPRINT, triton.__version__, f"fp8-saturates={ops.FP8_SATURATES}")
+        # torch's fp8 conversion rule (saturating or not) decides what the kernels emit, and
+        # FUSION_COMPILER_PREFETCH whether looped kernels load a step ahead
+        return (CODEGEN_FINGERPRINT, triton.__version__, f"fp8-saturates={ops.FP8_SATURATES}",
+                f"prefetch={row_loops.PREFETCH}")
 
     def load(self, key: str, make_source):
         """Module for ``key``: from memory, from disk, or built with ``make_source()``.

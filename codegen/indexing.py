@@ -367,3 +367,25 @@ INDEX_OPS = {
     "aten.alias.default": lambda index, args, shape: index,
     "aten.detach.default": lambda index, args, shape: index,
 }
+
+
+def step_divisors(e, cols):
+    """The divisors K through which alone ``e`` reads ``cols`` (as ``cols // K`` or
+    ``(cols // K) % M``, K an integer above 1), or None where it reads ``cols`` otherwise or
+    not at all. A loop step of columns ``[c0, c0 + RBLOCK)``, ``c0`` a multiple of RBLOCK,
+    gives ``e`` one value (its value at ``c0``) wherever every K is a multiple of RBLOCK: the
+    channel ``cols // HxW`` of a GroupNorm row, whose weight the step then loads once."""
+    e = sympy.sympify(e)
+    if cols not in e.free_symbols:
+        return None
+    found = set()
+
+    def only_divided(x):
+        if x == cols:
+            return False
+        if isinstance(x, (FloorDiv, CleanDiv, ModularIndexing)) and x.args[0] == cols \
+                and x.args[1].is_Integer and x.args[1] > 1:
+            found.add(int(x.args[1]))
+            return True
+        return all(only_divided(a) for a in x.args)
+    return found if only_divided(e) else None

@@ -44,12 +44,14 @@ def _max_offset(shape, stride):
 
 
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
-                    hoists: bool = False, strided: bool = False) -> str:
+                    hoists: bool = False, strided: bool = False, partials: int = 0) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
     persistent row kernel has a HOIST switch, set on small grids; ``strided``: its rows' elements
-    lie apart and consecutive rows side by side (``row_settings``; the module's ``STRIDED``)."""
+    lie apart and consecutive rows side by side (``row_settings``; the module's ``STRIDED``);
+    ``partials``: the looped kernel's reductions, where its split stages ``split0``... exist
+    (few long rows: ``split_settings``)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -97,8 +99,10 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     ptrs = ins + outs
     addrs += [f"{o}.data_ptr()" for o in outs]
 
-    def launch(name, grid, runtime, constexprs, settings, ind):
-        """Lines launching ``name``: through Triton once per key, then directly."""
+    def launch(name, grid, runtime, constexprs, settings, ind, scratch=(), keyed=False):
+        """Lines launching ``name``: through Triton once per key, then directly. ``scratch``:
+        tensors allocated here that the kernel takes after its outputs (fresh, so aligned);
+        ``keyed``: ``key`` is already the one these arguments make (an earlier launch's)."""
         # R is not specialized (do_not_specialize); a size fixed in the IR is the same on
         # every call of this module, so it needs no key part. Each integer's width is in the
         # key, as in Triton's (i32 up to 2**31 - 1, i64 past it): a kernel compiled for an i32
@@ -108,24 +112,26 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         key = ", ".join(["dev", *settings, "index64", *spec]
                         + [f"{a} & 15, {a} == 1" for a in ints]
                         + [f"{a} > 2147483647" for a in wide])
-        pos = ", ".join(addrs + runtime + constexprs)
-        kw = ", ".join(ptrs + runtime + [f"{c}={c}" for c in constexprs if c != "index64"]
+        pointers = addrs + [f"{t}.data_ptr()" for t in scratch]
+        pos = ", ".join(pointers + runtime + constexprs)
+        kw = ", ".join(ptrs + list(scratch) + runtime
+                       + [f"{c}={c}" for c in constexprs if c != "index64"]
                        + ["INDEX64=index64", "num_warps=num_warps"]
                        # debug would also check every int32 add for overflow, as Inductor's
                        # kernels with index asserts, it asks for the asserts alone
                        + (["sanitize_overflow=False"] if checks_indices(ir) else []))
         pad = " " * ind
-        values = ", ".join(addrs + runtime)
-        return [f"{pad}key = ({key},)",
-                f"{pad}k = _COMPILED_{name}.get(key)",
-                f"{pad}if k is None:",
-                f"{pad}    first_launch(_COMPILED_{name}, key, _{name}_kernel, {grid}, {kw})",
-                f"{pad}elif k[0] is None:",
-                f"{pad}    launch_static(k[1], {grid}, 1, 1, k[2], k[3], k[4], ({values}, *k[5]), "
-                f"raw_stream(dev))",
-                f"{pad}else:",
-                f"{pad}    k[0]({grid}, 1, 1, raw_stream(dev), k[1], k[2], k[3], None, None, k[4], "
-                f"None, None, None, {pos})"]
+        values = ", ".join(pointers + runtime)
+        return ([] if keyed else [f"{pad}key = ({key},)"]) + [
+            f"{pad}k = _COMPILED_{name}.get(key)",
+            f"{pad}if k is None:",
+            f"{pad}    first_launch(_COMPILED_{name}, key, _{name}_kernel, {grid}, {kw})",
+            f"{pad}elif k[0] is None:",
+            f"{pad}    launch_static(k[1], {grid}, 1, 1, k[2], k[3], k[4], ({values}, *k[5]), "
+            f"raw_stream(dev))",
+            f"{pad}else:",
+            f"{pad}    k[0]({grid}, 1, 1, raw_stream(dev), k[1], k[2], k[3], None, None, k[4], "
+            f"None, None, None, {pos})"]
 
     if kind == "multipart":
         sized = [(f"numel{i}", n) for i, n in enumerate(numels)]
@@ -167,13 +173,38 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             return [" " * ind + "HOIST = few_programs(grid)"] + launch(
                 "persistent", "grid", kernels["persistent"] + ["R", "N"],
                 constexprs + ["HOIST"], settings + ["HOIST"], ind)
+
+        def looped(ind):
+            one = launch("looped", "grid", kernels["looped"] + ["R", "N"], constexprs, settings,
+                         ind)
+            if not partials:
+                return one
+            # few long rows: each split across S programs, one kernel per phase, the partial
+            # reductions in between in ws (row_loops.split_phases)
+            pad = " " * ind
+            size, stride = f"({partials}, R, S)", "(R * S, S, 1)"
+            lines = [f"{pad}split = split_settings(R, N)",
+                     f"{pad}if split is not None:",
+                     f"{pad}    S, CHUNK, SBLOCK, RBLOCK, num_warps = split",
+                     f"{pad}    if FAST_ALLOC and DEVICE.index == dev:",
+                     f"{pad}        ws = empty_cuda({size}, {stride}, torch.float32)",
+                     f"{pad}    else:",
+                     f"{pad}        ws = torch.empty_strided({size}, {stride}, "
+                     "dtype=torch.float32, device=DEVICE)"]
+            stages = sorted((k for k in kernels if k.startswith("split")), key=lambda k: int(k[5:]))
+            for i, name in enumerate(stages):
+                # a stage taking the arguments of the one before has its key
+                same = i > 0 and kernels[name] == kernels[stages[i - 1]]
+                lines += launch(name, "R * S", kernels[name] + ["R", "N", "S", "CHUNK"],
+                                ["XBLOCK", "RBLOCK", "SBLOCK", "index64"], settings + ["SBLOCK"],
+                                ind + 4, ["ws"], keyed=same)
+            return lines + [f"{pad}else:"] + ["    " + ln for ln in one]
         if "looped" not in kernels:
             lines += persistent(8)
         elif "persistent" not in kernels:
-            lines += launch("looped", "grid", kernels["looped"] + ["R", "N"], constexprs, settings, 8)
+            lines += looped(8)
         else:
-            lines += ["        if looped:"] + launch("looped", "grid", kernels["looped"] + ["R", "N"],
-                                                      constexprs, settings, 12)
+            lines += ["        if looped:"] + looped(12)
             lines += ["        else:"] + persistent(12)
     lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
     tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)

@@ -7,24 +7,27 @@ store, fp32 math, a header comment naming the fused ops and the estimated bytes.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import sympy
 import torch
 
 from . import ops
-from .indexing import affine_coeffs, coalesce, flatten_index, print_expr
+from .indexing import affine_coeffs, coalesce, flatten_index, print_expr, step_divisors
 from .kernel_ir import KernelIR, NotFusable, ref_id
 from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
+from .row_loops import RED_FINAL, RED_INIT, column_loop, row_result, split_phases
 from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
                          strided_rows)
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
 COLS = sympy.Symbol("cols", integer=True, nonnegative=True)
+COL0 = sympy.Symbol("col0", integer=True, nonnegative=True)     # a loop step's first column
 
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -> str:
@@ -36,6 +39,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
     kernels = []
     late = []               # a persistent kernel's loads after its reduction (HOIST)
     strided = False         # its rows' elements lie apart, consecutive rows side by side
+    partials = 0            # a looped kernel's reductions: the split stages' partials a row
     if kind == "pointwise":
         kernels.append(("pointwise", _render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
@@ -47,11 +51,17 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
             strided = strided_rows(lk)
             kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
         if not fits:
-            kernels.append(("looped", _render_kernel(Lowering(ir, hints, False).run(), "_looped_kernel")))
+            lk = Lowering(ir, hints, False).run()
+            kernels.append(("looped", _render_kernel(lk, "_looped_kernel")))
+            # the same rows split across programs, one kernel per phase (few long rows)
+            kernels += [(f"split{s}", _render_kernel(lk, f"_split{s}_kernel", stage=s))
+                        for s in range(len(lk.phases))]
+            partials = sum(len(ph.reductions) for ph in lk.phases)
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
-                                max_persistent_block, bool(late), strided)
+                                max_persistent_block, bool(late), strided,
+                                partials)
     if strided:
         launcher = "STRIDED = True\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
@@ -120,7 +130,7 @@ import triton.language as tl
 from fusion_compiler.codegen import triton_lib as fl
 from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cuda, first_launch,
                                             few_programs, launch_static, pointwise_settings,
-                                            raw_stream, row_settings)
+                                            raw_stream, row_settings, split_settings)
 """
 
 
@@ -173,9 +183,11 @@ def memory_order(lk: LoweredKernel, syms: list, sizes: list):
     return [syms[d] for d in order], [sizes[d] for d in order]
 
 
-def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
+def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), stage=None):
     """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
-    a persistent kernel's loads written twice, under its HOIST switch (``late_loads``)."""
+    a persistent kernel's loads written twice, under its HOIST switch (``late_loads``).
+    ``stage``: a looped kernel's phase ``stage`` alone, over one chunk of the row
+    (``row_loops.split_phases``)."""
     row = lk.kind == "row"
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
@@ -237,7 +249,16 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
         m = mask_of(used | pred_syms, pred_set)
         # fp8 has no literal for `other`: masked lanes are undefined there, and never used
         other = "" if var.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ", other=0"
-        return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"]
+        vector = f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"
+        ks = step_divisors(off, COLS) if stage is not None and not pred_set else None
+        if ks:
+            # one value a step (a GroupNorm's weight at the step's channel): one scalar load,
+            # not a 2-byte load per element, where RBLOCK divides every K (a constexpr test)
+            k = math.gcd(*ks)
+            scalar = (f"{var.name} = tl.load(in{in_id} + {print_expr(off.xreplace({COLS: COL0}))}, "
+                      f"mask=rmask & c0mask{other}){conv}")
+            return [f"if {k} % RBLOCK == 0:", "    " + scalar, "else:", "    " + vector]
+        return [vector]
 
     def store(stmt):
         _, pos, var, offset, row_level = stmt
@@ -274,7 +295,22 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
         raise AssertionError(kind)
 
     lines = []
-    if row:
+    if row and stage is not None:
+        lines += ["pid = tl.program_id(0)",
+                  "if INDEX64:",
+                  "    pid = pid.to(tl.int64)",
+                  "split = pid % S  # the chunk of the row this program takes",
+                  # one row a program (XBLOCK 1), as a scalar: its per-row values are scalars,
+                  # which broadcast into the columns' layout for free (a [1, 1] block from the
+                  # partials' reduction is converted through shared memory)
+                  "rindex = pid // S",
+                  "rmask = rindex < R"]
+        lines += split_phases(lk, stmt_lines, stage)
+        if stage == len(lk.phases) - 1 and lk.tail:
+            lines.append("rmask = rmask & (split == 0)  # per-row outputs: one program stores")
+            for stmt in lk.tail:
+                lines += stmt_lines(stmt)
+    elif row:
         lines += ["pid = tl.program_id(0)",
                   "if INDEX64:",
                   "    pid = pid.to(tl.int64)",
@@ -303,10 +339,17 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
     params = [f"in{i},  # {v.dtype} {list(v.shape)}" for i, v in enumerate(lk.ir.inputs)]
     params += [f"out{p},  # {lk.ir.values[o].dtype} {list(lk.ir.values[o].shape)}"
                for p, o in enumerate(lk.ir.outputs)]
+    if stage is not None:
+        params.append("ws,  # fp32 [reductions, R, S]: each chunk's partial reductions")
     params += [f"{s}," for s in size_args]
     if row:
-        params += ["R, N,  # rows, row length", "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr,",
-                   "INDEX64: tl.constexpr,"]
+        params += ["R, N,  # rows, row length"]
+        if stage is not None:
+            params.append("S, CHUNK,  # chunks a row, columns a chunk (a multiple of RBLOCK)")
+        params += ["XBLOCK: tl.constexpr, RBLOCK: tl.constexpr,"]
+        if stage is not None:
+            params.append("SBLOCK: tl.constexpr,  # S as a power of two")
+        params.append("INDEX64: tl.constexpr,")
         if late:
             params.append("HOIST: tl.constexpr,")
         nospec = '"R"'
@@ -321,13 +364,6 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=()):
     deco = f"@triton.jit({', '.join(options)})" if options else "@triton.jit"
     src = f"{deco}\ndef {name}(\n{sig}\n):\n{code}"
     return src, size_args
-
-
-_RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
-_RED_FINAL = {"sum": "tl.sum({a}, axis=1)[:, None]", "mean": "tl.sum({a}, axis=1)[:, None]",
-              "max": "fl.row_max({a}, 1)[:, None]", "min": "fl.row_min({a}, 1)[:, None]"}
-_RED_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v})",
-             "min": "fl.min_combine({a}, {v})"}
 
 
 def _row_phases(lk, stmt_lines, persistent, late):
@@ -367,19 +403,9 @@ def _row_phases(lk, stmt_lines, persistent, late):
         if persistent:
             lines += body
             for res, kind, acc, src in ph.reductions:
-                masked = f"tl.where(mask, {src.name}, {_RED_INIT[kind]})"
-                lines.append(f"{res.name} = " + _RED_FINAL[kind].format(a=masked))
+                masked = f"tl.where(mask, {src.name}, {RED_INIT[kind]})"
+                lines.append(f"{res.name} = " + RED_FINAL[kind].format(a=masked))
             continue
-        for res, kind, acc, src in ph.reductions:
-            lines.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {_RED_INIT[kind]}, tl.float32)")
-        lines += ["for off in range(0, N, RBLOCK):",
-                  "    cols = off + tl.arange(0, RBLOCK)[None, :]",
-                  "    cmask = cols < N",
-                  "    mask = rmask & cmask"]
-        lines += ["    " + ln for ln in body]
-        for res, kind, acc, src in ph.reductions:
-            step = _RED_STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {_RED_INIT[kind]})")
-            lines.append(f"    {acc} = {step}")
-        for res, kind, acc, src in ph.reductions:
-            lines.append(f"{res.name} = " + _RED_FINAL[kind].format(a=acc))
+        lines += column_loop(ph, stmt_lines, "0", "N")
+        lines += [row_result(res.name, kind, acc) for res, kind, acc, _ in ph.reductions]
     return lines

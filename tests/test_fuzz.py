@@ -9,7 +9,7 @@ by an index made from constants, ``cat`` along the last dim, last-dim reductions
 now and then an op that stays on ATen (cumsum) -- over random shapes (odd sizes included),
 dtypes (fp32/fp16/bf16, mixed), input layouts (contiguous, transposed, sliced, offset,
 expanded) and FUSION_COMPILER_MAX_PERSISTENT_BLOCK (small values make rows use the looped
-kernel). A program is Python source (``Program.source()``), so a failing example prints as a
+kernel; half of those programs also split few long rows across programs, ``_split_rows``). A program is Python source (``Program.source()``), so a failing example prints as a
 runnable reproducer. Each program runs eagerly and compiled with ``fullgraph=True``; we check:
 
 * every output matches eager (shape, dtype, NaN positions, values within tolerance) and has
@@ -166,6 +166,7 @@ class Program:
     ops: list
     outputs: list
     max_block: int = DEFAULT_MAX_BLOCK   # FUSION_COMPILER_MAX_PERSISTENT_BLOCK
+    split: bool = False     # few long rows split across programs from 64 columns (_split_rows)
 
     def source(self, trace: bool = False) -> str:
         lines = [f"def f({', '.join(i.name for i in self.inputs)}):"]
@@ -201,6 +202,10 @@ class Program:
         ins = "\n".join(i.code(self.seed + k) for k, i in enumerate(self.inputs))
         env = ("" if self.max_block == DEFAULT_MAX_BLOCK else
                f"os.environ['FUSION_COMPILER_MAX_PERSISTENT_BLOCK'] = '{self.max_block}'\n")
+        if self.split:
+            env += ("from fusion_compiler.codegen import launch\n"
+                    "launch.SPLIT_RBLOCK, launch.SPLIT_MIN_CHUNK = 16, 32\n"
+                    "launch.split_settings.cache_clear()\n")
         return (f"\n{self.source()}\n{ins}\n{env}"
                 f"check_program_fn(f, [{', '.join(i.name for i in self.inputs)}])\n")
 
@@ -553,7 +558,8 @@ def programs(draw):
     if rows > LOOPED_MAX_ROWS:
         # the looped kernel runs a program per row: slow in Triton's interpreter
         max_block = DEFAULT_MAX_BLOCK
-    return Program(seed, b.inputs, b.ops, outputs, max_block)
+    split = max_block != DEFAULT_MAX_BLOCK and draw(st.booleans())
+    return Program(seed, b.inputs, b.ops, outputs, max_block, split)
 
 
 # ---------------------------------------------------------------------------- tolerance
@@ -809,6 +815,24 @@ def _max_block(n: int):
             os.environ[key] = saved
 
 
+@contextlib.contextmanager
+def _split_rows(on: bool):
+    """Rows of at least 64 columns split into chunks of 32 or more (16 a step) while compiling
+    and running, where ``on`` (the split kernels of render.py; at the real settings only rows
+    of 16384 and more split, which the fuzzer's sizes never reach)."""
+    from fusion_compiler.codegen import launch
+    saved = launch.SPLIT_RBLOCK, launch.SPLIT_MIN_CHUNK
+    if on:
+        launch.SPLIT_RBLOCK, launch.SPLIT_MIN_CHUNK = 16, 32
+        launch.split_settings.cache_clear()
+    try:
+        yield
+    finally:
+        if on:
+            launch.SPLIT_RBLOCK, launch.SPLIT_MIN_CHUNK = saved
+            launch.split_settings.cache_clear()
+
+
 def check_program(prog: Program):
     note(repr(prog))
     fn = prog.build()
@@ -819,7 +843,7 @@ def check_program(prog: Program):
         note(f"hits known bug: {bug}")
     assume(bug is None)
     bounds = error_bound(prog, vals)
-    with _max_block(prog.max_block):
+    with _max_block(prog.max_block), _split_rows(prog.split):
         check_program_fn(fn, args, prog, bounds)
     if os.environ.get("FUSION_FUZZ_LOG"):        # a line per program that passed: counts at scale
         with open(os.environ["FUSION_FUZZ_LOG"], "a") as log:

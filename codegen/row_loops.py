@@ -1,0 +1,108 @@
+"""The loops of a row kernel whose row does not fit in registers, as Triton source: each phase
+streams the row in steps of RBLOCK columns (``column_loop``), either one program a row (the
+looped kernel) or a row split across programs, one kernel per phase, with the partial
+reductions in between in a scratch buffer (``split_phases``: the few long rows of a VAE's
+GroupNorm on every SM, not on 32 of 132). And the reductions' text: each kind's accumulator,
+step, per-row result, and its partial of a chunk.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from .statements import direct_loads, registers
+
+RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+RED_FINAL = {"sum": "tl.sum({a}, axis=1)[:, None]", "mean": "tl.sum({a}, axis=1)[:, None]",
+             "max": "fl.row_max({a}, 1)[:, None]", "min": "fl.row_min({a}, 1)[:, None]"}
+_ROWS = {"sum": "tl.sum({a}, axis=1)", "mean": "tl.sum({a}, axis=1)",
+         "max": "fl.row_max({a}, 1)", "min": "fl.row_min({a}, 1)"}
+_COMBINE = {"sum": "tl.sum({a}, axis=0)", "mean": "tl.sum({a}, axis=0)",
+            "max": "fl.row_max({a}, 0)", "min": "fl.row_min({a}, 0)"}
+_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v})",
+         "min": "fl.min_combine({a}, {v})"}
+# loads issued a loop step ahead (column_loop); FUSION_COMPILER_PREFETCH=0 issues them in place
+PREFETCH = os.environ.get("FUSION_COMPILER_PREFETCH", "1") == "1"
+
+
+def row_result(res, kind, acc):
+    """The line giving ``res``, a reduction's per-row result ([XBLOCK, 1]), from its
+    accumulator."""
+    return f"{res} = " + RED_FINAL[kind].format(a=acc)
+
+
+def column_loop(ph, stmt_lines, lo, extent):
+    """A phase's loop over the columns ``lo`` to ``lo + extent`` (steps of RBLOCK, masked by
+    ``cols < N``): its accumulators, its body, the reduction steps.
+
+    The loads addressed by the columns alone (``statements.direct_loads``) are issued one step
+    ahead: the next step's before this step's arithmetic and stores. A step's arithmetic waits
+    for its loads, and a load that follows a store in program order is issued after it; loaded
+    one step ahead, a program's loads are in flight while it computes and stores the step
+    before (softmax over 4096 rows of 50257 on the H200: 901 -> 510 us). The columns and masks
+    are computed from the loop's counter in each step, so Triton's analysis still sees them
+    contiguous and aligned (the loads stay vectorised). ``col0`` is the step's first column
+    (a load that reads one value a step: render's ``load``)."""
+    lines = [f"{acc} = tl.full([XBLOCK, RBLOCK], {RED_INIT[kind]}, tl.float32)"
+             for _, kind, acc, _ in ph.reductions]
+    ahead = direct_loads(ph.body, registers(ph.body)) if PREFETCH else []
+    moved = {id(st) for st in ahead}
+    loads = [ln for st in ahead for ln in stmt_lines(st)]
+
+    def shifted(line):
+        for name in ("cols", "cmask", "col0", "c0mask"):
+            line = re.sub(rf"\b{name}\b", "n" + name, line)
+        return re.sub(r"^(\s*)(\w+) =", r"\1\2_next =", line)
+    if ahead:
+        lines += [f"col0 = {lo}", "cols = col0 + tl.arange(0, RBLOCK)[None, :]",
+                  "cmask = cols < N", "c0mask = col0 < N"] + loads
+    lines += [f"for off in range(0, {extent}, RBLOCK):",
+              f"    col0 = {lo} + off  # the step's first column",
+              "    cols = col0 + tl.arange(0, RBLOCK)[None, :]",
+              "    cmask = cols < N",
+              "    c0mask = col0 < N",
+              "    mask = rmask & cmask"]
+    if ahead:
+        last = "" if extent == "N" else f" & (off + RBLOCK < {extent})"
+        lines += ["    ncol0 = col0 + RBLOCK", "    ncols = cols + RBLOCK",
+                  f"    ncmask = (ncols < N){last}", f"    nc0mask = (ncol0 < N){last}"]
+        lines += ["    " + shifted(ln) for ln in loads]
+    lines += ["    " + ln for st in ph.body if id(st) not in moved for ln in stmt_lines(st)]
+    for res, kind, acc, src in ph.reductions:
+        step = _STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {RED_INIT[kind]})")
+        lines.append(f"    {acc} = {step}")
+    lines += [f"    {st[1].name} = {st[1].name}_next" for st in ahead]
+    return lines
+
+
+def split_phases(lk, stmt_lines, stage):
+    """Phase ``stage`` of a looped row kernel over one chunk of ``CHUNK`` columns of the row
+    (program ``split`` of the row's ``S``; one row a program, ``rindex`` a scalar): a grid of
+    few long rows (the 32 group rows of a VAE's GroupNorm) then runs on every SM, not on one
+    per row. The reductions of the earlier phases are read back from the partials their stages
+    left in ``ws`` and combined (the same reduction over S values); the reductions of this
+    phase leave this chunk's partials there, as scalars. The
+    last stage stores the outputs. A sum's partials are its chunks' fp32 sums, combined in
+    fp32: the looped kernel's own association, grouped by chunk."""
+    lines = ["start = split * CHUNK",
+             "sidx = tl.arange(0, SBLOCK)",
+             "smask = rmask & (sidx < S)"]
+    slot = 0        # each reduction's partials: ws[slot, row, chunk]
+    for i, ph in enumerate(lk.phases[:stage + 1]):
+        lines += [ln for st in ph.outer for ln in stmt_lines(st)]
+        if i < stage:
+            for res, kind, _, _ in ph.reductions:
+                part = (f"tl.load(ws + ({slot} * R + rindex) * S + sidx, mask=smask, "
+                        f"other={RED_INIT[kind]})")
+                lines.append(f"{res.name} = " + _COMBINE[kind].format(a=part))
+                slot += 1
+            continue
+        if not ph.body and not ph.reductions:
+            continue
+        # CHUNK is a multiple of RBLOCK: a step never crosses into the next chunk
+        lines += column_loop(ph, stmt_lines, "start", "CHUNK")
+        for res, kind, acc, src in ph.reductions:
+            part = _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))         # a scalar
+            lines.append(f"tl.store(ws + ({slot} * R + rindex) * S + split, {part}, mask=rmask)")
+            slot += 1
+    return lines
