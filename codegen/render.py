@@ -218,7 +218,9 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
     def mask_of(parts_syms, pred_set):
         parts = []
         if row:
-            if RINDEX in parts_syms:
+            # a split stage's row always exists (R x S programs): its scalar rmask stays out
+            # of the columns' masks (Triton 3.9's interpreter makes scalar & block integers)
+            if RINDEX in parts_syms and not (stage is not None and COLS in parts_syms):
                 parts.append("rmask")
             if COLS in parts_syms:
                 parts.append("cmask")
@@ -294,12 +296,9 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
             return [f"{var.name} = {expr}"]
         raise AssertionError(kind)
 
-    lines = []
+    lines = ["pid = tl.program_id(0)", "if INDEX64:", "    pid = pid.to(tl.int64)"] if row else []
     if row and stage is not None:
-        lines += ["pid = tl.program_id(0)",
-                  "if INDEX64:",
-                  "    pid = pid.to(tl.int64)",
-                  "split = pid % S  # the chunk of the row this program takes",
+        lines += ["split = pid % S  # the chunk of the row this program takes",
                   # one row a program (XBLOCK 1), as a scalar: its per-row values are scalars,
                   # which broadcast into the columns' layout for free (a [1, 1] block from the
                   # partials' reduction is converted through shared memory)
@@ -311,11 +310,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
             for stmt in lk.tail:
                 lines += stmt_lines(stmt)
     elif row:
-        lines += ["pid = tl.program_id(0)",
-                  "if INDEX64:",
-                  "    pid = pid.to(tl.int64)",
-                  "rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
-                  "rmask = rindex < R"]
+        lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]", "rmask = rindex < R"]
         lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
         for stmt in lk.tail:
             lines += stmt_lines(stmt)

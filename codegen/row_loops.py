@@ -31,7 +31,7 @@ def row_result(res, kind, acc):
     return f"{res} = " + RED_FINAL[kind].format(a=acc)
 
 
-def column_loop(ph, stmt_lines, lo, extent):
+def column_loop(ph, stmt_lines, lo, extent, rows="rmask & "):
     """A phase's loop over the columns ``lo`` to ``lo + extent`` (steps of RBLOCK, masked by
     ``cols < N``): its accumulators, its body, the reduction steps.
 
@@ -42,7 +42,8 @@ def column_loop(ph, stmt_lines, lo, extent):
     before (softmax over 4096 rows of 50257 on the H200: 901 -> 510 us). The columns and masks
     are computed from the loop's counter in each step, so Triton's analysis still sees them
     contiguous and aligned (the loads stay vectorised). ``col0`` is the step's first column
-    (a load that reads one value a step: render's ``load``)."""
+    (a load that reads one value a step: render's ``load``). ``rows``: the row mask's part of
+    ``mask`` (none in a split stage, whose row always exists)."""
     lines = [f"{acc} = tl.full([XBLOCK, RBLOCK], {RED_INIT[kind]}, tl.float32)"
              for _, kind, acc, _ in ph.reductions]
     ahead = direct_loads(ph.body, registers(ph.body)) if PREFETCH else []
@@ -61,11 +62,14 @@ def column_loop(ph, stmt_lines, lo, extent):
               "    cols = col0 + tl.arange(0, RBLOCK)[None, :]",
               "    cmask = cols < N",
               "    c0mask = col0 < N",
-              "    mask = rmask & cmask"]
+              f"    mask = {rows}cmask"]
     if ahead:
-        last = "" if extent == "N" else f" & (off + RBLOCK < {extent})"
+        # a split stage's chunk ends before the row (a block compared with a block: Triton
+        # 3.9's interpreter makes block & scalar integers)
+        end = "" if extent == "N" else f" & (ncols < {lo} + {extent})"
         lines += ["    ncol0 = col0 + RBLOCK", "    ncols = cols + RBLOCK",
-                  f"    ncmask = (ncols < N){last}", f"    nc0mask = (ncol0 < N){last}"]
+                  f"    ncmask = (ncols < N){end}",
+                  f"    nc0mask = (ncol0 < N){end.replace('ncols', 'ncol0')}"]
         lines += ["    " + shifted(ln) for ln in loads]
     lines += ["    " + ln for st in ph.body if id(st) not in moved for ln in stmt_lines(st)]
     for res, kind, acc, src in ph.reductions:
@@ -81,12 +85,12 @@ def split_phases(lk, stmt_lines, stage):
     few long rows (the 32 group rows of a VAE's GroupNorm) then runs on every SM, not on one
     per row. The reductions of the earlier phases are read back from the partials their stages
     left in ``ws`` and combined (the same reduction over S values); the reductions of this
-    phase leave this chunk's partials there, as scalars. The
-    last stage stores the outputs. A sum's partials are its chunks' fp32 sums, combined in
-    fp32: the looped kernel's own association, grouped by chunk."""
+    phase leave this chunk's partials there, as scalars. The last stage stores the outputs. A
+    sum's partials are its chunks' fp32 sums, combined in fp32: the looped kernel's own
+    association, grouped by chunk."""
     lines = ["start = split * CHUNK",
              "sidx = tl.arange(0, SBLOCK)",
-             "smask = rmask & (sidx < S)"]
+             "smask = sidx < S"]
     slot = 0        # each reduction's partials: ws[slot, row, chunk]
     for i, ph in enumerate(lk.phases[:stage + 1]):
         lines += [ln for st in ph.outer for ln in stmt_lines(st)]
@@ -100,7 +104,7 @@ def split_phases(lk, stmt_lines, stage):
         if not ph.body and not ph.reductions:
             continue
         # CHUNK is a multiple of RBLOCK: a step never crosses into the next chunk
-        lines += column_loop(ph, stmt_lines, "start", "CHUNK")
+        lines += column_loop(ph, stmt_lines, "start", "CHUNK", rows="")
         for res, kind, acc, src in ph.reductions:
             part = _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))         # a scalar
             lines.append(f"tl.store(ws + ({slot} * R + rindex) * S + split, {part}, mask=rmask)")
