@@ -52,6 +52,8 @@ NAMES = {
     "_pointwise_kernel": "fused",
     "_persistent_kernel": "fused",
     "_looped_kernel": "fused",
+    "_split0_kernel": "fused",
+    "_split12_kernel": "fused",
     "triton_per_fused__softmax_0": "fused",
     "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "fused",
     # Inductor names kernels after the ATen ops they hold: this one is SDPA's input copy
