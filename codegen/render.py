@@ -206,6 +206,11 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
     def idx(e):
         return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
 
+    # a looped kernel's rows that do not start on 16 bytes: (elements in 16 bytes, the row's
+    # first element), its loop then steps from the row's 16 bytes (row_loops.column_loop)
+    shift = _row_shift(lk, idx) if row and stage is None and name == "_looped_kernel" else None
+    scalar_row = stage is not None or shift is not None     # one row a program, a scalar
+
     def condition(pred_set):
         """Predicates as Triton code: True / False when the sizes alone decide them (a slice
         of a cat that falls inside one operand), else the conjunction of the rest."""
@@ -220,7 +225,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         if row:
             # a split stage's row always exists (R x S programs): its scalar rmask stays out
             # of the columns' masks (Triton 3.9's interpreter makes scalar & block integers)
-            if RINDEX in parts_syms and not (stage is not None and COLS in parts_syms):
+            if RINDEX in parts_syms and not (scalar_row and COLS in parts_syms):
                 parts.append("rmask")
             if COLS in parts_syms:
                 parts.append("cmask")
@@ -251,6 +256,11 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         m = mask_of(used | pred_syms, pred_set)
         # fp8 has no literal for `other`: masked lanes are undefined there, and never used
         other = "" if var.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ", other=0"
+        if shift and COLS in used:
+            # no mask inside the row: 16-byte loads from the row's 16 bytes
+            addr = f"in{in_id} + (rowa + vcols)"
+            return ["if inner:", f"    {var.name} = tl.load({addr}){conv}", "else:",
+                    f"    {var.name} = tl.load({addr}, mask={m}{other}){conv}"]
         vector = f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"
         ks = step_divisors(off, COLS) if stage is not None and not pred_set else None
         if ks:
@@ -267,8 +277,16 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         off = idx(offset)
         want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
+        if scalar_row and not row_level:
+            # a per-row value may be a block of one ([1]: it met a constant, as a
+            # cross-entropy's ignored target does), which a scalar address cannot take
+            pad += " + tl.zeros([1], tl.int32)"
         dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
         value = store_value(var.name, defs.get(var.name, ""), dtype)
+        if shift and COLS in off.free_symbols:
+            addr = f"out{pos} + (rowa + vcols)"
+            return ["if inner:", f"    tl.store({addr}, {value})", "else:",
+                    f"    tl.store({addr}, {value}, mask={mask_of(want, ())})"]
         return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask_of(want, ())})"]
 
     defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
@@ -309,6 +327,16 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
             lines.append("rmask = rmask & (split == 0)  # per-row outputs: one program stores")
             for stmt in lk.tail:
                 lines += stmt_lines(stmt)
+    elif row and shift:
+        v, start = shift
+        lines += ["rindex = pid  # one row a program (XBLOCK 1), as a scalar",
+                  "rmask = rindex < R",
+                  f"rstart = {print_expr(start)}  # the row's first element",
+                  f"rowa = (rstart // {v}) * {v}  # rounded down to 16 bytes",
+                  "sh = (rstart - rowa).to(tl.int32)  # the row's column at rowa is -sh"]
+        lines += _row_phases(lk, stmt_lines, False, late, shifted_row=True)
+        for stmt in lk.tail:
+            lines += stmt_lines(stmt)
     elif row:
         lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]", "rmask = rindex < R"]
         lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
@@ -361,7 +389,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
     return src, size_args
 
 
-def _row_phases(lk, stmt_lines, persistent, late):
+def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
     lines = []
     if persistent:
         # a static row length as a literal: where it fills the block (4096 of 4096) Triton
@@ -401,6 +429,36 @@ def _row_phases(lk, stmt_lines, persistent, late):
                 masked = f"tl.where(mask, {src.name}, {RED_INIT[kind]})"
                 lines.append(f"{res.name} = " + RED_FINAL[kind].format(a=masked))
             continue
-        lines += column_loop(ph, stmt_lines, "0", "N")
-        lines += [row_result(res.name, kind, acc) for res, kind, acc, _ in ph.reductions]
+        lines += column_loop(ph, stmt_lines, "0", "N", shifted_row=shifted_row)
+        lines += [row_result(res.name, kind, acc, shifted_row)
+                  for res, kind, acc, _ in ph.reductions]
     return lines
+
+
+def _row_shift(lk, idx):
+    """(V, the row's first element as an expression of ``rindex``) where a looped kernel's rows
+    do not all start on 16 bytes (V elements of its narrowest row dtype: a row of 50257 bf16
+    elements starts on 2 bytes) and every load and store of its columns reads the same row,
+    column for column (``cols + start``), at static sizes and without predicates; else None.
+    Its loop then steps from the row's 16 bytes (row_loops.column_loop): one shift for all of
+    them. Not where a weight is read by column alone: it would take another shift."""
+    starts, sizes = set(), []
+    accesses = [(off, preds, lk.ir.inputs[i].dtype) for _, i, off, preds in lk.loads]
+    accesses += [(st[3], (), lk.ir.values[lk.ir.outputs[st[1]]].dtype) for st in all_stores(lk)]
+    for off, preds, dtype in accesses:
+        e = idx(off)
+        if COLS not in e.free_symbols:
+            continue
+        start = sympy.expand(e - COLS)
+        if preds or not start.free_symbols <= {RINDEX}:
+            return None
+        starts.add(start)
+        sizes.append(dtype.itemsize)
+    if len(starts) != 1:
+        return None
+    start = starts.pop()
+    a, b = start.coeff(RINDEX), start.subs(RINDEX, 0)
+    if not (a.is_Integer and b.is_Integer):
+        return None
+    v = 16 // min(sizes)
+    return None if int(a) % v == 0 and int(b) % v == 0 else (v, start)

@@ -25,13 +25,15 @@ _STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v
 PREFETCH = os.environ.get("FUSION_COMPILER_PREFETCH", "1") == "1"
 
 
-def row_result(res, kind, acc):
-    """The line giving ``res``, a reduction's per-row result ([XBLOCK, 1]), from its
-    accumulator."""
+def row_result(res, kind, acc, scalar=False):
+    """The line giving ``res``, a reduction's per-row result ([XBLOCK, 1], or a scalar where
+    the program's row is one: ``scalar``), from its accumulator."""
+    if scalar:
+        return f"{res} = " + _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))
     return f"{res} = " + RED_FINAL[kind].format(a=acc)
 
 
-def column_loop(ph, stmt_lines, lo, extent, rows="rmask & "):
+def column_loop(ph, stmt_lines, lo, extent, rows="rmask & ", shifted_row=False):
     """A phase's loop over the columns ``lo`` to ``lo + extent`` (steps of RBLOCK, masked by
     ``cols < N``): its accumulators, its body, the reduction steps.
 
@@ -43,7 +45,13 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & "):
     are computed from the loop's counter in each step, so Triton's analysis still sees them
     contiguous and aligned (the loads stay vectorised). ``col0`` is the step's first column
     (a load that reads one value a step: render's ``load``). ``rows``: the row mask's part of
-    ``mask`` (none in a split stage, whose row always exists)."""
+    ``mask`` (none in a split stage, whose row always exists).
+
+    ``shifted_row``: the row does not start on 16 bytes (rows of a 50257 vocabulary: their
+    loads were 2-byte loads). The loop then steps over virtual columns ``vcols`` from the row's
+    first element rounded down to 16 bytes (``rowa``; the row's column is ``vcols - sh``): the
+    steps wholly inside the row (``inner``) load and store without masks, in 16-byte vectors;
+    the first and the last step mask by element (render's loads and stores, if / else)."""
     lines = [f"{acc} = tl.full([XBLOCK, RBLOCK], {RED_INIT[kind]}, tl.float32)"
              for _, kind, acc, _ in ph.reductions]
     ahead = direct_loads(ph.body, registers(ph.body)) if PREFETCH else []
@@ -51,9 +59,25 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & "):
     loads = [ln for st in ahead for ln in stmt_lines(st)]
 
     def shifted(line):
-        for name in ("cols", "cmask", "col0", "c0mask"):
+        for name in ("cols", "cmask", "col0", "c0mask", "vcols", "inner"):
             line = re.sub(rf"\b{name}\b", "n" + name, line)
         return re.sub(r"^(\s*)(\w+) =", r"\1\2_next =", line)
+    if shifted_row:
+        step = ["vcols = off + tl.arange(0, RBLOCK)[None, :]  # from the row's 16 bytes",
+                "cols = vcols - sh",
+                "cmask = (cols >= 0) & (cols < N)",
+                "inner = (off >= sh) & (off + RBLOCK <= N + sh)  # no column outside the row"]
+        if ahead:
+            lines += ["off = 0"] + step + loads
+        lines += ["for off in range(0, N + sh, RBLOCK):"] + ["    " + ln for ln in step]
+        lines.append("    mask = cmask")
+        if ahead:
+            lines += ["    noff = off + RBLOCK",
+                      "    nvcols = vcols + RBLOCK", "    ncols = cols + RBLOCK",
+                      "    ncmask = (ncols >= 0) & (ncols < N)",
+                      "    ninner = (noff >= sh) & (noff + RBLOCK <= N + sh)"]
+            lines += ["    " + shifted(ln) for ln in loads]
+        return _loop_rest(ph, stmt_lines, lines, ahead, moved)
     if ahead:
         lines += [f"col0 = {lo}", "cols = col0 + tl.arange(0, RBLOCK)[None, :]",
                   "cmask = cols < N", "c0mask = col0 < N"] + loads
@@ -71,6 +95,12 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & "):
                   f"    ncmask = (ncols < N){end}",
                   f"    nc0mask = (ncol0 < N){end.replace('ncols', 'ncol0')}"]
         lines += ["    " + shifted(ln) for ln in loads]
+    return _loop_rest(ph, stmt_lines, lines, ahead, moved)
+
+
+def _loop_rest(ph, stmt_lines, lines, ahead, moved):
+    """A column loop's body after its header: the statements, the reduction steps, and the
+    loads ahead handed to the next step."""
     lines += ["    " + ln for st in ph.body if id(st) not in moved for ln in stmt_lines(st)]
     for res, kind, acc, src in ph.reductions:
         step = _STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {RED_INIT[kind]})")

@@ -243,3 +243,19 @@ def test_each_stage_is_keyed_by_its_own_sizes(small_chunks, device):
             assert all(f"{a} & 15" in key for a in sizes), (line, key)
             checked += 1
     assert checked == source.count("def _split") >= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_over_split_rows(dtype, small_chunks, device):
+    """A cross-entropy's per-row loss is a block of one (the ignored target's constant meets
+    it) stored at the row's scalar address by the last stage: it crashed there before."""
+    x = randn((3, 301), dtype, device)
+    t = torch.tensor([5, -100, 300], device=device)
+
+    def f(x, t):
+        return F.cross_entropy(x.float(), t)
+    out, reports, taken = run_split(f, (x, t))
+    assert taken and taken[0] is not None and taken[0][0] > 1, taken
+    # the mean over the rows that count is two sums left to ATen
+    assert sorted(leftover_aten(reports)) == ["aten.sum.dim_IntList"] * 2
+    assert_close(out, f(x, t), dtype=torch.float32)
