@@ -1,6 +1,6 @@
 """Few long rows on the GPU: eager vs Inductor vs fusion, and fusion with its rows split across
 programs turned off (one program a row, the looped kernel), against the HBM floor (read the
-input, write the output), bf16, do_bench medians (least of two turns).
+input, write the output; cross-entropy: read the logits), bf16, do_bench medians (least of two turns).
 
     python benchmarks/long_rows.py [--out results.json] [--only NAME...] [--profile]
                                    [--variants PER_SM[:RBLOCK:WARPS]...]
@@ -13,7 +13,8 @@ flush (torch.profiler): each kernel's time and the span from the first start to 
 Cases: GroupNorm + SiLU at the batch-1 shapes of Stable Diffusion's VAE decoder (32 groups: 32
 rows of 65536 to 1048576 elements) and UNet (32 rows of 40960 and 20480), and the UNet's at
 batch 8 (256 rows); softmax over a vocabulary (GPT-2's 50257, Llama 3's 128256) for 1 and 8
-rows, as a sampler takes it.
+rows, as a sampler takes it; and many rows of an odd vocabulary (GPT-2's 50257, BERT's 30522),
+whose rows are not 16-byte aligned: softmax, log_softmax, and cross-entropy over fp32 logits.
 """
 import argparse
 import contextlib
@@ -44,16 +45,34 @@ def softmax(x):
     return torch.softmax(x, dim=-1)
 
 
+def log_softmax(x):
+    return torch.log_softmax(x, dim=-1)
+
+
+def cross_entropy(x, t):
+    return F.cross_entropy(x.float(), t)
+
+
+# each case: (function, its inputs, its rows (R, N), the bytes that must move)
 def _gn(shape):
     def make():
         return (torch.randn(shape, device="cuda", dtype=bf),
                 torch.randn(shape[1], device="cuda", dtype=bf),
                 torch.randn(shape[1], device="cuda", dtype=bf))
-    return gn_silu, make
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    return gn_silu, make, (32 * shape[0], numel // (32 * shape[0])), 2 * 2 * numel
 
 
-def _sm(shape):
-    return softmax, lambda: (torch.randn(shape, device="cuda", dtype=bf),)
+def _sm(shape, fn=softmax):
+    return (fn, lambda: (torch.randn(shape, device="cuda", dtype=bf),), shape,
+            2 * 2 * shape[0] * shape[1])
+
+
+def _ce(shape):
+    def make():
+        return (torch.randn(shape, device="cuda", dtype=bf),
+                torch.randint(0, shape[1], (shape[0],), device="cuda"))
+    return cross_entropy, make, shape, 2 * shape[0] * shape[1]
 
 
 CASES = {
@@ -68,6 +87,10 @@ CASES = {
     "softmax_1x50257": _sm((1, 50257)),
     "softmax_1x128256": _sm((1, 128256)),
     "softmax_8x128256": _sm((8, 128256)),
+    # many rows of a vocabulary whose length is odd (GPT-2's, BERT's): unaligned rows
+    "softmax_4096x50257": _sm((4096, 50257)),
+    "log_softmax_8192x30522": _sm((8192, 30522), log_softmax),
+    "cross_entropy_4096x50257": _ce((4096, 50257)),
 }
 
 
@@ -138,12 +161,11 @@ def main():
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"copy_TBps": bw / 1e12, "cases": {}}
-    for case, (fn, make) in CASES.items():
+    for case, (fn, make, rows, nbytes) in CASES.items():
         if a.only and case not in a.only:
             continue
         args = make()
-        x = args[0]
-        floor = 2 * x.numel() * x.element_size() / bw * 1e3
+        floor = nbytes / bw * 1e3
         torch._dynamo.reset()
         fused = torch.compile(fn, backend="fusion")
         fns = {"eager": fn, "inductor": torch.compile(fn), "fusion": fused,
@@ -153,8 +175,6 @@ def main():
             fns[f"fusion_{v}"] = fused
             settings[f"fusion_{v}"] = _Split(*map(int, v.split(":")))
         expected = fn(*args).float()
-        rows = (x.numel() // x.shape[-1], x.shape[-1]) if fn is softmax else (
-            32 * x.shape[0], x.numel() // (32 * x.shape[0]))
         row = {"floor_ms": floor, "rows_n": rows, "split": launch.split_settings(*rows)}
         for name, f in fns.items():
             with settings.get(name, contextlib.nullcontext()):
@@ -174,7 +194,7 @@ def main():
                     print(f"  {name:18s} host {p['host_us']:6.1f}us  kernels {p['kernel_us']:7.1f}us"
                           f"  {p['kernels']}", flush=True)
         results["cases"][case] = row
-        print(f"{case:20s} {rows} split {row['split'][:2]} floor {floor * 1e3:7.1f}us  " + "  ".join(
+        print(f"{case:20s} {rows} split {(row['split'] or ())[:2]} floor {floor * 1e3:7.1f}us  " + "  ".join(
             f"{n} {row[f'{n}_ms'] * 1e3:7.1f}us ({floor / row[f'{n}_ms']:.0%}, err "
             f"{row[f'{n}_max_err']:.3g})" for n in fns), flush=True)
     if a.out:

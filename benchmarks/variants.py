@@ -293,6 +293,45 @@ def rows(x, w):
             rf"XBLOCK, RBLOCK, looped, num_warps = {x}, triton.next_power_of_2(\2), False, {w}")
 
 
+def looped(rblock, warps):
+    """A looped row kernel's loop step and warps."""
+    return (r"XBLOCK, RBLOCK, looped, num_warps = row_settings\((\w+), (\w+), (\d+)\)",
+            f"XBLOCK, RBLOCK, looped, num_warps = 1, {rblock}, True, {warps}")
+
+
+def looped_grid(per_sm):
+    """A looped kernel (one row a program, ``rindex = pid``) on a fixed grid of ``per_sm``
+    programs an SM, each looping over rows with a stride: the rows in flight at once, and so
+    what the passes after a row's first read back, bounded (to stay in L2)."""
+    def rewrite(text):
+        lines = text.split("\n")
+        i = next(i for i, ln in enumerate(lines) if ln.strip().startswith("rindex = pid  #"))
+        end = next(j for j in range(i, len(lines)) if lines[j].strip() == "")
+        body = ["    for rindex in range(pid, R, tl.num_programs(0)):"]
+        body += ["    " + ln for ln in lines[i + 1:end]]
+        text = "\n".join(lines[:i] + body + lines[end:])
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return text.replace("grid = (R + XBLOCK - 1) // XBLOCK",
+                            f"grid = min((R + XBLOCK - 1) // XBLOCK, {per_sm * sms})")
+    return rewrite
+
+
+def evict_passes(text):
+    """A looped kernel's loads before its last pass kept in L2 (evict_last), the last pass's
+    loads and the stores streamed (evict_first): the passes after the first then read L2."""
+    lines = text.split("\n")
+    last = max(i for i, ln in enumerate(lines) if ln.strip() == "off = 0")
+    out = []
+    for i, ln in enumerate(lines):
+        if "tl.load(in" in ln and "rowa + " in ln:
+            hint = "evict_first" if i > last else "evict_last"
+            ln = re.sub(r"(tl\.load\([^()]*\([^()]*\)[^()]*)\)", rf'\1, eviction_policy="{hint}")', ln)
+        elif "tl.store(out" in ln and "rowa + " in ln:
+            ln = re.sub(r"\)$", ', eviction_policy="evict_first")', ln)
+        out.append(ln)
+    return "\n".join(out)
+
+
 def newgelu(x):
     """Hugging Face's NewGELUActivation (GPT-2's), in the model's dtype op by op."""
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
@@ -312,10 +351,31 @@ EXTRA_CASES = {
     "bert_gelu": (bert_gelu, lambda: (
         torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16),
         torch.randn(3072, device="cuda", dtype=torch.bfloat16)), (4096 * 3072 * 2 + 3072) * 2),
+    # many rows of an odd vocabulary (looped kernels, rows read three times)
+    "softmax_vocab": (lambda x: torch.softmax(x, -1), lambda: (
+        torch.randn(4096, 50257, device="cuda", dtype=torch.bfloat16),), 4096 * 50257 * 2 * 2),
+    "log_softmax_vocab": (lambda x: torch.log_softmax(x, -1), lambda: (
+        torch.randn(8192, 30522, device="cuda", dtype=torch.bfloat16),), 8192 * 30522 * 2 * 2),
+}
+
+_VOCAB = {
+    "4096 w16": [looped(4096, 16)],
+    "8192 w32": [looped(8192, 32)],
+    "1024 w4": [looped(1024, 4)],
+    "evict": [evict_passes],
+    "grid 1/SM": [looped_grid(1)],
+    "grid 2/SM": [looped_grid(2)],
+    "grid 3/SM": [looped_grid(3)],
+    "grid 2/SM, evict": [looped_grid(2), evict_passes],
+    "grid 1/SM w16, evict": [looped_grid(1), looped(4096, 16), evict_passes],
+    "grid 1/SM w32, evict": [looped_grid(1), looped(8192, 32), evict_passes],
+    "grid 2/SM w16, evict": [looped_grid(2), looped(4096, 16), evict_passes],
 }
 
 
 VARIANTS = {
+    "softmax_vocab": _VOCAB,
+    "log_softmax_vocab": _VOCAB,
     "newgelu": {
         "libdevice tanh": [libdevice_tanh],
         "block 4096 w8": [block(4096, 8)],
