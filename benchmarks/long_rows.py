@@ -14,7 +14,8 @@ Cases: GroupNorm + SiLU at the batch-1 shapes of Stable Diffusion's VAE decoder 
 rows of 65536 to 1048576 elements) and UNet (32 rows of 40960 and 20480), and the UNet's at
 batch 8 (256 rows); softmax over a vocabulary (GPT-2's 50257, Llama 3's 128256) for 1 and 8
 rows, as a sampler takes it; and many rows of an odd vocabulary (GPT-2's 50257, BERT's 30522),
-whose rows are not 16-byte aligned: softmax, log_softmax, and cross-entropy over fp32 logits.
+whose rows are not 16-byte aligned: softmax, log_softmax, and cross-entropy over fp32 logits;
+and LayerNorm over rows of 32768.
 """
 import argparse
 import contextlib
@@ -47,6 +48,10 @@ def softmax(x):
 
 def log_softmax(x):
     return torch.log_softmax(x, dim=-1)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
 
 
 def cross_entropy(x, t):
@@ -91,6 +96,11 @@ CASES = {
     "softmax_4096x50257": _sm((4096, 50257)),
     "log_softmax_8192x30522": _sm((8192, 30522), log_softmax),
     "cross_entropy_4096x50257": _ce((4096, 50257)),
+    # a row longer than a program holds, with a weight and a bias
+    "layer_norm_2048x32768": (layer_norm, lambda: (
+        torch.randn(2048, 32768, device="cuda", dtype=bf),
+        torch.randn(32768, device="cuda", dtype=bf), torch.randn(32768, device="cuda", dtype=bf)),
+        (2048, 32768), 2 * 2 * 2048 * 32768),
 }
 
 

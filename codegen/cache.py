@@ -64,9 +64,10 @@ class KernelCache:
     @staticmethod
     def salt() -> tuple:
         # torch's fp8 conversion rule (saturating or not) decides what the kernels emit, and
-        # FUSION_COMPILER_PREFETCH whether looped kernels load a step ahead
+        # FUSION_COMPILER_PREFETCH whether looped kernels load a step ahead,
+        # FUSION_COMPILER_EVICT their eviction hints
         return (CODEGEN_FINGERPRINT, triton.__version__, f"fp8-saturates={ops.FP8_SATURATES}",
-                f"prefetch={row_loops.PREFETCH}")
+                f"prefetch={row_loops.PREFETCH}", f"evict={row_loops.EVICT}")
 
     def load(self, key: str, make_source):
         """Module for ``key``: from memory, from disk, or built with ``make_source()``.

@@ -23,6 +23,12 @@ _STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v
          "min": "fl.min_combine({a}, {v})"}
 # loads issued a loop step ahead (column_loop); FUSION_COMPILER_PREFETCH=0 issues them in place
 PREFETCH = os.environ.get("FUSION_COMPILER_PREFETCH", "1") == "1"
+# a looped kernel's passes over its rows (render.evicting), where they hold at least
+# EVICT_MIN_ELEMENTS elements (more than L2 holds at 2 bytes an element): 2, the passes before
+# the last keep the row's lines in L2 (evict_last), the last pass and the stores stream them
+# (evict_first); 1, the loads alone; 0, no hints
+EVICT = int(os.environ.get("FUSION_COMPILER_EVICT", "2"))
+EVICT_MIN_ELEMENTS = 1 << 25
 
 
 def row_result(res, kind, acc, scalar=False):

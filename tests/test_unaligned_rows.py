@@ -7,11 +7,14 @@ store without masks, the first and the last mask by element. Tests shrink the lo
 a masked last step, at every shift (rows of 41 start at 41 * r elements: shifts 0 to 7), and
 assert the kernel count, that the shift was taken, and the values against eager in each
 dtype."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fusion_compiler
+from fusion_compiler import backend
 from fusion_compiler.codegen import launch
 from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
 from patterns import randn
@@ -136,3 +139,36 @@ def test_unaligned_rows_in_training(small_steps, device):
     assert all("rowa = (rstart // " in source([r]) for r in reports)
     assert_close(out, expected, dtype=torch.bfloat16)
     assert_close(got, x.grad, dtype=torch.bfloat16, name="grad")
+
+
+@pytest.mark.parametrize("n", [41, 48])
+def test_passes_over_rows_larger_than_l2_carry_eviction_hints(n, small_steps, cache_dir, device,
+                                                              monkeypatch):
+    """Where a looped kernel's rows hold more than L2 (here: at least one element), its passes
+    before the last load with evict_last, the last pass loads and stores with evict_first
+    (render.evicting); the values do not change. At the default threshold these rows have
+    none."""
+    from fusion_compiler.codegen import render, row_loops
+    x = randn((9, n), torch.bfloat16, device)
+    out, reports = compile_and_run(softmax, (x,))
+    assert "eviction_policy" not in source(reports)
+    assert_close(out, softmax(x), dtype=torch.bfloat16)
+    monkeypatch.setattr(render, "EVICT_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(backend, "_caches", {})
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(cache_dir) + "-hints")
+    out, reports = compile_and_run(softmax, (x,))
+    assert kernel_count(reports) == 1
+    text = source(reports)
+    looped = text[text.index("def _looped_kernel"):text.index("def _split0_kernel")]
+    # each pass from its first step's loads (`off = 0`; unshifted, `col0 = 0`): the max's,
+    # the sum's, the output's
+    passes = re.split(r"\n\s*(?:off|col0) = 0\n", looped)[1:]
+    assert len(passes) == 3 and row_loops.EVICT == 2
+    for i, p in enumerate(passes):
+        loads = [ln for ln in p.splitlines() if "tl.load(in0" in ln]
+        stores = [ln for ln in p.splitlines() if "tl.store(out0" in ln]
+        hint = 'eviction_policy="evict_first"' if i == 2 else 'eviction_policy="evict_last"'
+        assert loads and all(hint in ln for ln in loads), (i, loads)
+        assert bool(stores) == (i == 2)
+        assert all('eviction_policy="evict_first"' in ln for ln in stores), stores
+    assert_close(out, softmax(x), dtype=torch.bfloat16)
