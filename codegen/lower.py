@@ -30,7 +30,7 @@ from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, pr
 from .row_outputs import ROLL, layout_chain, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
-from .lowered import COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args
+from .lowered import COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args, online_sums
 
 
 def iteration_space(ir: KernelIR):
@@ -76,6 +76,10 @@ class Lowering(PointwiseLowering):
         self.counter = 0
         self.products = set()   # registers holding a product (see ops.cast's guard)
         self.loads, self.stores, self.tail = [], [], []
+        # a looped kernel's softmax normaliser, in its max's pass (lowered.online_sums); a
+        # persistent kernel holds the row in registers, where a second pass reads no memory
+        self.online = {} if persistent or self.kind != "row" else online_sums(ir)
+        self.entries = {}       # reduction value id -> its (result, kind, acc, input)
         self.levels = self._reduction_levels()
         self.pending = []       # statements that follow the reductions of the current phase
         self.per_element = {COL}    # symbols that vary along a row: COL, per-element indices
@@ -134,14 +138,25 @@ class Lowering(PointwiseLowering):
             deps = [ref_id(a) for a in flat_args(op.args)]
             d = max((depth[r] for r in deps if r is not None), default=0)
             if op.target in REDUCTIONS:
-                levels[vid] = d
-                d += 1
+                # an online sum is taken in its max's pass: the level of that max
+                levels[vid] = levels[self.online[vid]] if vid in self.online else d
+                d = levels[vid] + 1
             depth[vid] = d
         return levels
 
     def _reduce(self, vid, full):
         op = self.ir.ops[vid - len(self.ir.inputs)]
         kind = REDUCTIONS[op.target]
+        if vid in self.online:
+            # the sum of exp(x - max): a lane's sum of exp(x - its running max) (row_loops)
+            m_res, _, m_acc, src = self.entries[self.online[vid]]
+            res = Var(self._name("sum"), torch.float32, False)
+            acc = self._name("acc")
+            self.phases[-1].reductions.append((res, "lse", acc, src))
+            self.phases[-1].partners[acc] = (m_acc, m_res)
+            self.entries[vid] = (res, "lse", acc, src)
+            self.memo[("red", vid)] = res
+            return
         src = self.value(ref_id(op.args[0]), full, frozenset())
         if src.dtype == torch.float64:
             raise NotFusable("fp64 reductions stay on ATen")
@@ -150,6 +165,7 @@ class Lowering(PointwiseLowering):
         dtype = self.ir.values[vid].dtype
         res = Var(self._name(kind), torch.float32, False)
         self.phases[-1].reductions.append((res, kind, self._name("acc"), src))
+        self.entries[vid] = self.phases[-1].reductions[-1]
         out = res
         if kind == "mean" or dtype != torch.float32:
             expr = f"({res.name} / (N * 1.0))" if kind == "mean" else res.name

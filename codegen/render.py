@@ -440,7 +440,7 @@ def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
             continue
         lines += column_loop(ph, evicting(stmt_lines, i == last) if big else stmt_lines, "0",
                              "N", shifted_row=shifted_row)
-        lines += [row_result(res.name, kind, acc, shifted_row)
+        lines += [row_result(res.name, kind, acc, shifted_row, ph.partners.get(acc))
                   for res, kind, acc, _ in ph.reductions]
     return lines
 

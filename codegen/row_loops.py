@@ -12,7 +12,10 @@ import re
 
 from .statements import direct_loads, registers
 
-RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+# "lse": the sum of exp(x - the row's max), in the max's pass (lowered.online_sums): each lane
+# sums exp(x - its own running max) (fl.lse_step, after its max's accumulator, its partner)
+RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")',
+            "lse": "0.0"}
 RED_FINAL = {"sum": "tl.sum({a}, axis=1)[:, None]", "mean": "tl.sum({a}, axis=1)[:, None]",
              "max": "fl.row_max({a}, 1)[:, None]", "min": "fl.row_min({a}, 1)[:, None]"}
 _ROWS = {"sum": "tl.sum({a}, axis=1)", "mean": "tl.sum({a}, axis=1)",
@@ -31,9 +34,16 @@ EVICT = int(os.environ.get("FUSION_COMPILER_EVICT", "2"))
 EVICT_MIN_ELEMENTS = 1 << 25
 
 
-def row_result(res, kind, acc, scalar=False):
+def row_result(res, kind, acc, scalar=False, partner=None):
     """The line giving ``res``, a reduction's per-row result ([XBLOCK, 1], or a scalar where
-    the program's row is one: ``scalar``), from its accumulator."""
+    the program's row is one: ``scalar``), from its accumulator. An "lse" sum takes its
+    ``partner`` (the max's accumulator and result): each lane's sum brought to the row's max."""
+    if kind == "lse":
+        m_acc, m_res = partner
+        terms = f"fl.lse_terms({acc}, {m_acc}, {m_res.name})"
+        total = (_COMBINE["sum"].format(a=_ROWS["sum"].format(a=terms)) if scalar
+                 else RED_FINAL["sum"].format(a=terms))
+        return f"{res} = fl.lse_guard({total}, {m_res.name})"
     if scalar:
         return f"{res} = " + _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))
     return f"{res} = " + RED_FINAL[kind].format(a=acc)
@@ -108,7 +118,14 @@ def _loop_rest(ph, stmt_lines, lines, ahead, moved):
     """A column loop's body after its header: the statements, the reduction steps, and the
     loads ahead handed to the next step."""
     lines += ["    " + ln for st in ph.body if id(st) not in moved for ln in stmt_lines(st)]
+    for res, kind, acc, src in ph.reductions:    # before its max's accumulator moves
+        if kind == "lse":
+            m_acc, v = ph.partners[acc][0], f'tl.where(mask, {src.name}, float("-inf"))'
+            lines += [f"    {acc}_m = fl.max_combine({m_acc}, {v})",
+                      f"    {acc} = fl.lse_step({acc}, {m_acc}, {acc}_m, {v})"]
     for res, kind, acc, src in ph.reductions:
+        if kind == "lse":
+            continue
         step = _STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {RED_INIT[kind]})")
         lines.append(f"    {acc} = {step}")
     lines += [f"    {st[1].name} = {st[1].name}_next" for st in ahead]
@@ -128,13 +145,26 @@ def split_phases(lk, stmt_lines, stage):
              "sidx = tl.arange(0, SBLOCK)",
              "smask = sidx < S"]
     slot = 0        # each reduction's partials: ws[slot, row, chunk]
+    slots = {}      # accumulator -> its slot
+
+    def partials(k, kind):
+        return (f"tl.load(ws + ({k} * R + rindex) * S + sidx, mask=smask, "
+                f"other={RED_INIT[kind]})")
     for i, ph in enumerate(lk.phases[:stage + 1]):
         lines += [ln for st in ph.outer for ln in stmt_lines(st)]
         if i < stage:
-            for res, kind, _, _ in ph.reductions:
-                part = (f"tl.load(ws + ({slot} * R + rindex) * S + sidx, mask=smask, "
-                        f"other={RED_INIT[kind]})")
-                lines.append(f"{res.name} = " + _COMBINE[kind].format(a=part))
+            for res, kind, acc, _ in ph.reductions:
+                slots[acc] = slot
+                if kind == "lse":
+                    # the chunks' sums, each brought from its chunk's max to the row's
+                    m_acc, m_res = ph.partners[acc]
+                    terms = (f"fl.lse_terms({partials(slot, kind)}, "
+                             f"{partials(slots[m_acc], 'max')}, {m_res.name})")
+                    lines.append(f"{res.name} = fl.lse_guard(tl.sum({terms}, axis=0), "
+                                 f"{m_res.name})")
+                else:
+                    lines.append(f"{res.name} = " + _COMBINE[kind].format(
+                        a=partials(slot, kind)))
                 slot += 1
             continue
         if not ph.body and not ph.reductions:
@@ -142,7 +172,13 @@ def split_phases(lk, stmt_lines, stage):
         # CHUNK is a multiple of RBLOCK: a step never crosses into the next chunk
         lines += column_loop(ph, stmt_lines, "start", "CHUNK", rows="")
         for res, kind, acc, src in ph.reductions:
-            part = _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))         # a scalar
+            if kind == "lse":       # the chunk's lanes brought to the chunk's max
+                m_acc = ph.partners[acc][0]
+                chunk_max = _COMBINE["max"].format(a=_ROWS["max"].format(a=m_acc))
+                terms = f"fl.lse_terms({acc}, {m_acc}, {chunk_max})"
+                part = _COMBINE["sum"].format(a=_ROWS["sum"].format(a=terms))
+            else:
+                part = _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))     # a scalar
             lines.append(f"tl.store(ws + ({slot} * R + rindex) * S + split, {part}, mask=rmask)")
             slot += 1
     return lines

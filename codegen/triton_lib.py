@@ -27,6 +27,26 @@ def max_combine(a, b):
 
 
 @triton.jit
+def lse_step(s, m, m_next, x):
+    """A lane's sum of exp(x - its max) (the online softmax), its max going from ``m`` to
+    ``m_next`` (``x`` included): the sum so far rescaled, plus this element's term. 0 while the
+    lane has seen only -inf (masked columns); NaN from a NaN or a +inf, as eager's sum."""
+    return tl.where(m_next == float("-inf"), 0.0, s * tl.exp(m - m_next) + tl.exp(x - m_next))
+
+
+@triton.jit
+def lse_terms(s, m, row_max):
+    """Lanes' (or chunks') sums of exp(x - their max ``m``) brought to the row's max."""
+    return tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max))
+
+
+@triton.jit
+def lse_guard(total, row_max):
+    """A row of -inf only sums exp(-inf - -inf): NaN, as eager's."""
+    return tl.where(row_max == float("-inf"), float("nan"), total)
+
+
+@triton.jit
 def min_combine(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
