@@ -175,7 +175,10 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     """(passes over each row, inputs re-read on every pass) of a looped row kernel.
 
     A row too long for registers is streamed once per reduction level and once more for the
-    per-element outputs: a softmax over a long row reads its input three times."""
+    per-element outputs: a LayerNorm over a long row reads its input three times (the mean,
+    the variance, the output). A softmax's sum of exps is taken in its max's pass (the
+    online softmax, ``_online_sum``): a softmax reads its rows twice, a cross-entropy (per-row
+    outputs alone) once."""
     reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
     if not reductions:
         return 1, ()
@@ -186,8 +189,34 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     level = {}
     for m in sorted(group.members, key=view.order.__getitem__):
         up = [level[s] for s in view.sources(m, set()) if s in level]
-        level[m] = max(up, default=0) + (1 if m in reductions else 0)
-    passes = max(level[r] for r in reductions) + 1
+        online = _online_sum(m) if m in reductions else None
+        if online is not None and online in level:
+            level[m] = level[online]
+        else:
+            level[m] = max(up, default=0) + (1 if m in reductions else 0)
     row_numel = hint(src.numel, ctx.size_hints)
+    per_element = any(hint(o.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel
+                      for o in group.outputs)
+    passes = max(level[r] for r in reductions) + (1 if per_element else 0)
     row_inputs = {i for i in group.inputs if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel}
     return passes, row_inputs
+
+
+def _online_sum(node):
+    """The amax node of ``sum(exp(x - amax(x)))`` over fp32 values, where ``node`` is that sum
+    (the looped kernel takes it in the amax's pass: codegen/lowered.online_sums), else None."""
+    def fp32(n):
+        return isinstance(n, torch.fx.Node) and n.meta["fc_tensor"].dtype == torch.float32
+    aten = torch.ops.aten
+    e = node.args[0] if node.target == aten.sum.dim_IntList and fp32(node) else None
+    if not fp32(e) or e.target != aten.exp.default:
+        return None
+    d = e.args[0]
+    if not fp32(d) or d.target != aten.sub.Tensor or d.kwargs or not fp32(d.args[1]):
+        return None
+    m = d.args[1]
+    while m.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                       aten.expand.default) and fp32(m.args[0]):
+        m = m.args[0]
+    ok = m.target == aten.amax.default and m.args[0] is d.args[0] and fp32(d.args[0])
+    return m if ok and list(m.args[1]) == list(node.args[1]) else None

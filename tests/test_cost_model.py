@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 
 from fusion_compiler.backend import make_context
@@ -137,7 +138,8 @@ def test_looped_reduction_counts_each_pass_over_the_row():
     ctx = analyze(lambda t: torch.softmax(t, -1), x, max_persistent_block=1024)
     (g,) = ctx.groups
     rows = {n for n in g.inputs}
-    # max pass, sum pass, output pass: the row is read three times from HBM without an L2 ...
+    # three passes (a LayerNorm's: the mean, the variance, the outputs): the row is read three
+    # times from HBM without an L2 ...
     no_l2 = dataclasses.replace(H200, l2_bytes=0)
     cost = kernel_cost(g.inputs, g.outputs, 3, rows, ctx.size_hints, no_l2, g.members)
     assert cost.bytes_read == 3 * 8 * 4096 * 4
@@ -152,11 +154,38 @@ def test_looped_reduction_counts_each_pass_over_the_row():
                        g.members).bytes_read == 3 * 8 * 4096 * 4
 
 
+@pytest.mark.parametrize("case, passes", [
+    ("softmax", 2), ("log_softmax of a product", 2), ("layer_norm", 3), ("var_mean", 2),
+    ("logsumexp", 1), ("softmax in bf16 ops", 3)])
+def test_looped_passes_are_the_kernels(case, passes, monkeypatch):
+    """The passes the cost model charges a looped kernel are the ones it makes: one a reduction
+    level, one more for per-element outputs; a softmax's sum of exps (over fp32) is taken in its
+    max's pass (the online softmax). No L2 here: each pass reads the rows from HBM."""
+    monkeypatch.setitem(PROFILES, "h200", dataclasses.replace(H200, l2_bytes=0))
+    x = torch.randn(8, 4096)
+    fns = {
+        "softmax": lambda t: torch.softmax(t, -1),
+        "log_softmax of a product": lambda t: torch.log_softmax(t * 2.0, -1),
+        "layer_norm": lambda t: F.layer_norm(t, (4096,)),
+        "var_mean": lambda t: torch.var_mean(t, -1),
+        "logsumexp": lambda t: (t.amax(-1, keepdim=True)
+                                + torch.exp(t - t.amax(-1, keepdim=True)).sum(-1, keepdim=True).log()),
+        # exp(x - max) in bf16 (no upcast): the kernel keeps eager's roundings, in its own pass
+        "softmax in bf16 ops": lambda t: (lambda e: e / e.sum(-1, keepdim=True))(
+            torch.exp(t - t.amax(-1, keepdim=True))),
+    }
+    arg = x.bfloat16() if case == "softmax in bf16 ops" else x
+    ctx = analyze(fns[case], arg, max_persistent_block=1024)
+    (g,) = ctx.groups
+    assert g.cost.bytes_read == passes * 8 * 4096 * arg.element_size()
+
+
 def test_unprofitable_merge_is_refused_for_that_reason():
-    """A looped softmax reads its input three times; fusing a producer with three big inputs
+    """A looped LayerNorm reads its input three times; fusing a producer with three big inputs
     into it would read those three times instead of writing and reading one tensor once."""
     a, b, c = (torch.randn(4096, 4096) for _ in range(3))
-    ctx = analyze(lambda a, b, c: torch.softmax(a * b + c, -1), a, b, c, max_persistent_block=1024)
+    ctx = analyze(lambda a, b, c: F.layer_norm(a * b + c, (4096,)), a, b, c,
+                  max_persistent_block=1024)
     groups = sorted(ops_of(g) for g in ctx.groups)
     assert ["add", "mul"] in groups, groups            # the producer stays its own kernel
     refused = [d for d in ctx.decisions if not d["taken"] and d["reason"].startswith("unprofitable")]
