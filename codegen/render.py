@@ -281,10 +281,13 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         off = idx(offset)
         want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
+        mask = mask_of(want, ())
         if scalar_row and not row_level:
             # a per-row value may be a block of one ([1]: it met a constant, as a
-            # cross-entropy's ignored target does), which a scalar address cannot take
+            # cross-entropy's ignored target does), which a scalar address cannot take; the
+            # mask a block too (Triton 3.9's interpreter rejects a scalar one for a block)
             pad += " + tl.zeros([1], tl.int32)"
+            mask = f"tl.where({mask}, tl.full([1], True, tl.int1), False)"
         dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
         value = store_value(var.name, defs.get(var.name, ""), dtype)
         hint = f', eviction_policy="{evict}"' if evict and row_level else ""
@@ -292,8 +295,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
             addr = f"out{pos} + (rowa + vcols)"
             return ["if inner:", f"    tl.store({addr}, {value}{hint})", "else:",
                     f"    tl.store({addr}, {value}, mask={mask_of(want, ())}{hint})"]
-        return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask_of(want, ())}"
-                f"{hint})"]
+        return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask}{hint})"]
 
     defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
             if st[0] == "assign"}
