@@ -51,3 +51,20 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(d))
     monkeypatch.setattr(backend, "_caches", {})
     return d
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    """Looped row kernels on small rows: rows longer than 16 loop in steps of 16 columns, one
+    program a row (never split); yields ``monkeypatch`` for further settings (a test that
+    splits sets ``SPLIT_RBLOCK`` and ``SPLIT_MIN_CHUNK``, then clears ``split_settings``)."""
+    from fusion_compiler.codegen import launch
+    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
+    monkeypatch.setattr(launch, "LOOPED_RBLOCK", 16)
+    monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 1 << 30)
+    launch.row_settings.cache_clear()
+    launch.split_settings.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    launch.row_settings.cache_clear()
+    launch.split_settings.cache_clear()

@@ -67,6 +67,16 @@ def assert_fp8_matches(actual, expected, min_equal=0.999):
     assert steps <= 1, f"fp8 outputs {steps} steps apart"
 
 
+def assert_outputs_close(out, expected):
+    """``assert_close`` on each output of a function returning a tensor or a tuple of them,
+    each in its own dtype's tolerance."""
+    outs = out if isinstance(out, tuple) else (out,)
+    wants = expected if isinstance(expected, tuple) else (expected,)
+    assert len(outs) == len(wants), f"{len(outs)} outputs, eager has {len(wants)}"
+    for k, (got, want) in enumerate(zip(outs, wants)):
+        assert_close(got, want, dtype=want.dtype, name=f"output {k}")
+
+
 def kernel_count(reports, kind=None):
     return sum(r.num_kernels for r in reports if kind is None or r.kind == kind)
 

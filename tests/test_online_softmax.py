@@ -13,24 +13,10 @@ import torch.nn.functional as F
 
 import fusion_compiler
 from fusion_compiler.codegen import launch
-from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import assert_close, assert_outputs_close, compile_and_run, kernel_count, leftover_aten
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def small_steps(monkeypatch):
-    """Rows longer than 16 loop in steps of 16 columns, one program a row (never split)."""
-    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
-    monkeypatch.setattr(launch, "LOOPED_RBLOCK", 16)
-    monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 1 << 30)
-    launch.row_settings.cache_clear()
-    launch.split_settings.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    launch.row_settings.cache_clear()
-    launch.split_settings.cache_clear()
 
 
 def softmax(x):
@@ -81,9 +67,7 @@ def test_the_sum_of_exps_is_taken_in_the_max_pass(op, dtype, n, small_steps, dev
     # the max with the sum, then the outputs (logsumexp's are per row: no second pass)
     assert len(re.findall(r"for off in range\(", src)) == (1 if op == "logsumexp" else 2)
     expected = fn(x)
-    for got, want in zip(out if isinstance(out, tuple) else (out,),
-                         expected if isinstance(expected, tuple) else (expected,)):
-        assert_close(got, want, dtype=want.dtype)
+    assert_outputs_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -113,9 +97,7 @@ def test_nan_and_infinite_rows(small_steps, device):
         out, reports = compile_and_run(fn, (x,))
         assert "fl.lse_step(" in looped_source(reports)
         expected = fn(x)
-        for got, want in zip(out if isinstance(out, tuple) else (out,),
-                             expected if isinstance(expected, tuple) else (expected,)):
-            assert_close(got, want, dtype=want.dtype)
+        assert_outputs_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -138,9 +120,7 @@ def test_split_rows_combine_their_chunks_sums(dtype, small_steps, device):
         text = "\n".join(open(k["path"]).read() for r in reports for k in r.kernels)
         assert "def _split1_kernel" in text and "def _split2_kernel" not in text
         expected = fn(x)
-        for got, want in zip(out if isinstance(out, tuple) else (out,),
-                             expected if isinstance(expected, tuple) else (expected,)):
-            assert_close(got, want, dtype=want.dtype)
+        assert_outputs_close(out, expected)
 
 
 def test_persistent_kernels_keep_two_passes_in_registers(device):

@@ -14,24 +14,17 @@ import torch.nn.functional as F
 
 import fusion_compiler
 from fusion_compiler.codegen import launch
-from helpers import assert_close, kernel_count, leftover_aten
+from helpers import assert_close, assert_outputs_close, kernel_count, leftover_aten
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
+def small_chunks(small_steps):
     """Rows longer than 16 loop (steps of 16 columns); a chunk takes at least 32 columns."""
-    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
-    monkeypatch.setattr(launch, "LOOPED_RBLOCK", 16)
-    monkeypatch.setattr(launch, "SPLIT_RBLOCK", 16)
-    monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 32)
-    launch.row_settings.cache_clear()
-    launch.split_settings.cache_clear()
-    yield
-    monkeypatch.undo()
-    launch.row_settings.cache_clear()
+    small_steps.setattr(launch, "SPLIT_RBLOCK", 16)
+    small_steps.setattr(launch, "SPLIT_MIN_CHUNK", 32)
     launch.split_settings.cache_clear()
 
 
@@ -108,9 +101,7 @@ def test_few_long_rows_split_across_programs(op, dtype, small_chunks, device):
     split = launch.split_settings(3, 301)
     assert taken == [split] and split is not None and split[0] > 1, taken
     expected = fn(x)
-    for got, want in zip(out if isinstance(out, tuple) else (out,),
-                         expected if isinstance(expected, tuple) else (expected,)):
-        assert_close(got, want, dtype=want.dtype)
+    assert_outputs_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

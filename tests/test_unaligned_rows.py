@@ -15,25 +15,10 @@ import torch.nn.functional as F
 
 import fusion_compiler
 from fusion_compiler import backend
-from fusion_compiler.codegen import launch
-from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import assert_close, assert_outputs_close, compile_and_run, kernel_count, leftover_aten
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def small_steps(monkeypatch):
-    """Rows longer than 16 loop in steps of 16 columns, one program a row (never split)."""
-    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
-    monkeypatch.setattr(launch, "LOOPED_RBLOCK", 16)
-    monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 1 << 30)
-    launch.row_settings.cache_clear()
-    launch.split_settings.cache_clear()
-    yield
-    monkeypatch.undo()
-    launch.row_settings.cache_clear()
-    launch.split_settings.cache_clear()
 
 
 def softmax(x):
@@ -68,9 +53,7 @@ def test_unaligned_rows_step_from_their_16_bytes(op, dtype, n, small_steps, devi
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert "rowa = (rstart // " in source(reports)
     expected = fn(x)
-    for got, want in zip(out if isinstance(out, tuple) else (out,),
-                         expected if isinstance(expected, tuple) else (expected,)):
-        assert_close(got, want, dtype=want.dtype)
+    assert_outputs_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
