@@ -154,7 +154,6 @@ class Lowering(PointwiseLowering):
             acc = self._name("acc")
             self.phases[-1].reductions.append((res, "lse", acc, src))
             self.phases[-1].partners[acc] = (m_acc, m_res)
-            self.entries[vid] = (res, "lse", acc, src)
             self.memo[("red", vid)] = res
             return
         src = self.value(ref_id(op.args[0]), full, frozenset())

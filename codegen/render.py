@@ -20,8 +20,7 @@ from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
-from .row_loops import (EVICT, EVICT_MIN_ELEMENTS, RED_FINAL, RED_INIT, column_loop, row_result,
-                        split_phases)
+from .row_loops import RED_FINAL, RED_INIT, column_loop, evicting, row_result, split_phases
 from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
                          strided_rows)
 
@@ -257,12 +256,12 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         m = mask_of(used | pred_syms, pred_set)
         # fp8 has no literal for `other`: masked lanes are undefined there, and never used
         other = "" if var.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ", other=0"
-        if evict and {RINDEX, COLS} <= used:    # the row streamed (row_loops.EVICT)
-            other += f', eviction_policy="{evict}"'
+        # the row streamed (row_loops.evicting)
+        hint = f', eviction_policy="{evict}"' if evict and {RINDEX, COLS} <= used else ""
+        other += hint
         if shift and COLS in used:
             # no mask inside the row: 16-byte loads from the row's 16 bytes
             addr = f"in{in_id} + (rowa + vcols)"
-            hint = f', eviction_policy="{evict}"' if evict else ""
             return ["if inner:", f"    {var.name} = tl.load({addr}{hint}){conv}", "else:",
                     f"    {var.name} = tl.load({addr}, mask={m}{other}){conv}"]
         vector = f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"
@@ -294,7 +293,7 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         if shift and COLS in off.free_symbols:
             addr = f"out{pos} + (rowa + vcols)"
             return ["if inner:", f"    tl.store({addr}, {value}{hint})", "else:",
-                    f"    tl.store({addr}, {value}, mask={mask_of(want, ())}{hint})"]
+                    f"    tl.store({addr}, {value}, mask={mask}{hint})"]
         return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask}{hint})"]
 
     defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
@@ -427,8 +426,6 @@ def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
                 out += stmt_lines(stmt)
         return out
     last = max((i for i, ph in enumerate(lk.phases) if ph.body), default=0)
-    sizes = [sympy.sympify(d) for d in lk.shape]
-    big = all(d.is_Integer for d in sizes) and math.prod(int(d) for d in sizes) >= EVICT_MIN_ELEMENTS
     for i, ph in enumerate(lk.phases):
         lines += in_place(ph.outer)
         if not ph.body and not ph.reductions:
@@ -440,27 +437,11 @@ def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
                 masked = f"tl.where(mask, {src.name}, {RED_INIT[kind]})"
                 lines.append(f"{res.name} = " + RED_FINAL[kind].format(a=masked))
             continue
-        lines += column_loop(ph, evicting(stmt_lines, i == last) if big else stmt_lines, "0",
-                             "N", shifted_row=shifted_row)
+        lines += column_loop(ph, evicting(stmt_lines, i == last, lk.shape), "0", "N",
+                             shifted_row=shifted_row)
         lines += [row_result(res.name, kind, acc, shifted_row, ph.partners.get(acc))
                   for res, kind, acc, _ in ph.reductions]
     return lines
-
-
-def evicting(stmt_lines, last):
-    """A looped kernel's statements with eviction hints on the row's loads and stores (as
-    ``row_loops.EVICT`` says), where its rows hold more than L2 (``EVICT_MIN_ELEMENTS``): the
-    passes before the last keep the row in L2 for the next (evict_last), the last pass and
-    the stores stream it (evict_first). H200, kernel time after an L2 flush, no hints / loads
-    only / loads and stores (benchmarks/long_rows.py --profile, us): softmax 4096 x 50257
-    511.0 / 525.5 / 495.8, log_softmax 8192 x 30522 484.7 / 468.2 / 443.6, LayerNorm 2048 x
-    32768 125.4 / 124.6 / 117.7; GroupNorm 256 x 40960 (21 MB, left without) 28.3 / 30.5 /
-    29.9."""
-    if not EVICT:
-        return stmt_lines
-    loads = "evict_first" if last else "evict_last"
-    stores = "evict_first" if EVICT == 2 else None
-    return lambda stmt: stmt_lines(stmt, loads, stores)
 
 
 def _row_shift(lk, idx):

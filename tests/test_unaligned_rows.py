@@ -129,14 +129,14 @@ def test_passes_over_rows_larger_than_l2_carry_eviction_hints(n, small_steps, ca
                                                               monkeypatch):
     """Where a looped kernel's rows hold more than L2 (here: at least one element), its passes
     before the last load with evict_last, the last pass loads and stores with evict_first
-    (render.evicting); the values do not change. At the default threshold these rows have
+    (row_loops.evicting); the values do not change. At the default threshold these rows have
     none."""
-    from fusion_compiler.codegen import render, row_loops
+    from fusion_compiler.codegen import row_loops
     x = randn((9, n), torch.bfloat16, device)
     out, reports = compile_and_run(softmax, (x,))
     assert "eviction_policy" not in source(reports)
     assert_close(out, softmax(x), dtype=torch.bfloat16)
-    monkeypatch.setattr(render, "EVICT_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(row_loops, "EVICT_MIN_ELEMENTS", 1)
     monkeypatch.setattr(backend, "_caches", {})
     monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(cache_dir) + "-hints")
     out, reports = compile_and_run(softmax, (x,))
