@@ -30,7 +30,8 @@ from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, pr
 from .row_outputs import ROLL, layout_chain, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
-from .lowered import COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args, online_sums
+from .lowered import (COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args,
+                      mean_hidden, partnered)
 
 
 def iteration_space(ir: KernelIR):
@@ -76,9 +77,13 @@ class Lowering(PointwiseLowering):
         self.counter = 0
         self.products = set()   # registers holding a product (see ops.cast's guard)
         self.loads, self.stores, self.tail = [], [], []
-        # a looped kernel's softmax normaliser, in its max's pass (lowered.online_sums); a
-        # persistent kernel holds the row in registers, where a second pass reads no memory
-        self.online = {} if persistent or self.kind != "row" else online_sums(ir)
+        # a looped kernel's reductions taken in another's pass (lowered.partner_of): a softmax's
+        # normaliser in its max's, a variance in its mean's (whose accumulator is then Welford's
+        # running mean: ``welford``); a persistent kernel holds the row in registers, where a
+        # second pass reads no memory
+        self.partnered = {} if persistent or self.kind != "row" else partnered(ir)
+        # each Welford mean -> its variance
+        self.welford = {p: v for v, (kind, p) in self.partnered.items() if kind == "m2"}
         self.entries = {}       # reduction value id -> its (result, kind, acc, input)
         self.levels = self._reduction_levels()
         self.pending = []       # statements that follow the reductions of the current phase
@@ -138,8 +143,8 @@ class Lowering(PointwiseLowering):
             deps = [ref_id(a) for a in flat_args(op.args)]
             d = max((depth[r] for r in deps if r is not None), default=0)
             if op.target in REDUCTIONS:
-                # an online sum is taken in its max's pass: the level of that max
-                levels[vid] = levels[self.online[vid]] if vid in self.online else d
+                # a partnered reduction is taken in its partner's pass: at its level
+                levels[vid] = levels[self.partnered[vid][1]] if vid in self.partnered else d
                 d = levels[vid] + 1
             depth[vid] = d
         return levels
@@ -147,14 +152,21 @@ class Lowering(PointwiseLowering):
     def _reduce(self, vid, full):
         op = self.ir.ops[vid - len(self.ir.inputs)]
         kind = REDUCTIONS[op.target]
-        if vid in self.online:
-            # the sum of exp(x - max): a lane's sum of exp(x - its running max) (row_loops)
-            m_res, _, m_acc, src = self.entries[self.online[vid]]
-            res = Var(self._name("sum"), torch.float32, False)
+        if vid in self.partnered:
+            # taken in its partner's pass, from its partner's accumulator (row_loops): the sum of
+            # exps in the max's (a lane's sum of exp(x - its running max)), the sum of squared
+            # deviations in the mean's (a lane's, from its running mean)
+            kind, partner = self.partnered[vid]
+            p_res, _, p_acc, src = self.entries[partner]
+            res = Var(self._name("sum" if kind == "lse" else "m2"), torch.float32, False)
             acc = self._name("acc")
-            self.phases[-1].reductions.append((res, "lse", acc, src))
-            self.phases[-1].partners[acc] = (m_acc, m_res)
-            self.memo[("red", vid)] = res
+            self.phases[-1].reductions.append((res, kind, acc, src))
+            self.phases[-1].partners[acc] = (p_acc, p_res)
+            out = res
+            if op.target == "aten.mean.dim":
+                out = Var(self._name("v"), torch.float32, False)
+                self.pending.append(("assign", out, f"({res.name} / (N * 1.0))"))
+            self.memo[("red", vid)] = out
             return
         src = self.value(ref_id(op.args[0]), full, frozenset())
         if src.dtype == torch.float64:
@@ -162,8 +174,12 @@ class Lowering(PointwiseLowering):
         if op.target == "aten.any.dim":
             src = self._assign(f"({src.name} != 0).to(tl.float32)", torch.float32, src.row_level)
         dtype = self.ir.values[vid].dtype
+        if vid in self.welford:     # the mean itself: Welford's, its variance's partner
+            kind = "wmean"
         res = Var(self._name(kind), torch.float32, False)
         self.phases[-1].reductions.append((res, kind, self._name("acc"), src))
+        if kind == "wmean" and not mean_hidden(self.ir, vid, self.welford[vid]):
+            self.phases[-1].sums.add(self.phases[-1].reductions[-1][2])
         self.entries[vid] = self.phases[-1].reductions[-1]
         out = res
         if kind == "mean" or dtype != torch.float32:

@@ -29,8 +29,12 @@ class Phase:
     outer: list = field(default_factory=list)   # statements before the loop (per-row values)
     body: list = field(default_factory=list)    # statements in the loop over cols
     reductions: list = field(default_factory=list)  # (result Var, kind, acc name, input Var)
-    # an "lse" reduction's accumulator -> (its row max's accumulator, the max's result Var)
+    # a partnered reduction's accumulator ("lse", "m2") -> (its partner's accumulator, the
+    # partner's result Var)
     partners: dict = field(default_factory=dict)
+    # the "wmean" accumulators that keep their plain sum: their mean is seen where a row's
+    # infinity would make Welford's NaN (lowered.mean_hidden)
+    sums: set = field(default_factory=set)
 
 
 @dataclass
@@ -45,40 +49,139 @@ class LoweredKernel:
     iter_syms: list         # iteration symbols (row syms then COL for row kernels)
 
 
-def online_sums(ir: KernelIR) -> dict:
-    """{value id of ``sum(exp(x - amax(x)))``: value id of that amax} over fp32 values: a
-    softmax's (log_softmax's, cross-entropy's) normaliser, which a looped kernel computes in
-    the max's pass (the online softmax: each lane's sum rescaled as its max grows), not in a
-    pass of its own after it."""
+class IRGraph:
+    """A kernel IR as ``partner_of`` reads it: nodes are value ids."""
+
+    def __init__(self, ir: KernelIR):
+        self.ir, self.n_in = ir, len(ir.inputs)
+
+    def op(self, vid):
+        """(target, args, kwargs) of the op giving ``vid``; None for an input."""
+        if vid is None or vid < self.n_in:
+            return None
+        o = self.ir.ops[vid - self.n_in]
+        return o.target, o.args, o.kwargs
+
+    def ref(self, arg):
+        return ref_id(arg)
+
+    def meta(self, vid):
+        """(dtype, shape) of ``vid``, the sizes as text (symbolic ones compare without guards)."""
+        v = self.ir.values[vid]
+        return v.dtype, tuple(str(d) for d in v.shape)
+
+
+_LAYOUT = VIEWS | {"aten.expand.default"}
+
+
+def partner_of(red, g):
+    """A reduction taken in another's pass by a looped row kernel, as ``(kind, partner)``:
+
+    - ``("lse", amax)``: ``red`` is ``sum(exp(x - amax(x)))``, a softmax's normaliser (the online
+      softmax: each lane's sum rescaled as its max grows);
+    - ``("m2", mean)``: ``red`` is ``sum`` or ``mean`` of ``(x - mean(x))**2``, a norm's variance
+      (Welford's update per lane: each lane's mean and sum of squared deviations from it);
+
+    else None. Over fp32 values, each reduction over the same dims, the partner reaching the
+    ``sub`` through views and expands that keep it one value a row (its keepdim shape, or
+    expanded from it to x's). ``g`` reads the graph: an ``IRGraph`` (the code generator) or the
+    FX graph of a group (the cost model, passes/groups.py), whose nodes and op targets spell
+    the same."""
+    def fp32(n):
+        return n is not None and g.meta(n)[0] == torch.float32
+    o = g.op(red)
+    if o is None or not fp32(red) or o[0] not in ("aten.sum.dim_IntList", "aten.mean.dim"):
+        return None
+    dims, arg = list(o[1][1]), g.ref(o[1][0])
+    a = g.op(arg)
+    if a is None or not fp32(arg):
+        return None
+    if a[0] == "aten.exp.default" and o[0] == "aten.sum.dim_IntList":
+        kind, want, d = "lse", "aten.amax.default", g.ref(a[1][0])
+    elif ((a[0] == "aten.mul.Tensor" and g.ref(a[1][0]) is not None
+           and g.ref(a[1][0]) == g.ref(a[1][1]))
+          or (a[0] == "aten.pow.Tensor_Scalar" and a[1][1] == 2)):
+        kind, want, d = "m2", "aten.mean.dim", g.ref(a[1][0])
+    else:
+        return None
+    s = g.op(d)
+    if s is None or s[0] != "aten.sub.Tensor" or s[2] or not fp32(d):
+        return None
+    x, m = g.ref(s[1][0]), g.ref(s[1][1])
+    if not fp32(x) or m is None:
+        return None
+    full = g.meta(x)[1]
+    axes = {k % len(full) for k in dims} if full else set()
+    kept = tuple("1" if k in axes else n for k, n in enumerate(full))
+    shapes = {g.meta(m)[1]}     # the sub's operand's, then each view's or expand's below it
+    while (mo := g.op(m)) is not None and mo[0] in _LAYOUT:
+        shapes.add(g.meta(m)[1])
+        if mo[0] == "aten.expand.default" and g.meta(g.ref(mo[1][0]))[1] != kept:
+            return None
+        m = g.ref(mo[1][0])
+    mo = g.op(m)
+    if (mo is None or mo[0] != want or g.ref(mo[1][0]) != x or list(mo[1][1]) != dims
+            or not shapes <= {kept, full} or not fp32(m)):
+        return None
+    return kind, m
+
+
+def partnered(ir: KernelIR) -> dict:
+    """{value id: (kind, partner value id)} of the reductions of ``ir`` that ``partner_of``
+    finds."""
+    g = IRGraph(ir)
+    found = {}
+    for j in range(len(ir.ops)):
+        p = partner_of(g.n_in + j, g)
+        if p is not None:
+            found[g.n_in + j] = p
+    return found
+
+
+def mean_hidden(ir: KernelIR, mean: int, m2: int) -> bool:
+    """Whether a Welford mean's value (``mean``, partner of the variance ``m2``) is seen only
+    through a norm: read (through views and expands) by ``x - mean`` alone, each read by the
+    variance's square or multiplied by a value computed from the variance (rstd). Then a row
+    holding an infinity, whose Welford mean is NaN where a sum's is the infinity, gives NaN
+    anyway (its variance is NaN), and the plain sum beside the mean is not kept (Phase.sums):
+    a LayerNorm's or a GroupNorm's, not a var_mean's."""
     n_in = len(ir.inputs)
+    readers = {}
+    for j, op in enumerate(ir.ops):
+        for a in flat_args(op.args):
+            if ref_id(a) is not None:
+                readers.setdefault(ref_id(a), []).append(n_in + j)
 
     def op(vid):
-        return ir.ops[vid - n_in] if vid is not None and vid >= n_in else None
+        return ir.ops[vid - n_in]
 
-    def fp32(vid):
-        return ir.values[vid].dtype == torch.float32
-    found = {}
-    for j, red in enumerate(ir.ops):
-        if red.target != "aten.sum.dim_IntList" or not fp32(n_in + j):
-            continue
-        e_id = ref_id(red.args[0])
-        e = op(e_id)
-        if e is None or e.target != "aten.exp.default" or not fp32(e_id):
-            continue
-        d_id = ref_id(e.args[0])
-        d = op(d_id)
-        if d is None or d.target != "aten.sub.Tensor" or d.kwargs or not fp32(d_id):
-            continue
-        x, m_id = ref_id(d.args[0]), ref_id(d.args[1])
-        m = op(m_id)
-        while m is not None and m.target in VIEWS | {"aten.expand.default"}:
-            m_id = ref_id(m.args[0])
-            m = op(m_id)
-        if (x is None or m is None or m.target != "aten.amax.default" or ref_id(m.args[0]) != x
-                or not fp32(x) or list(m.args[1]) != list(red.args[1])):
-            continue
-        found[n_in + j] = m_id
-    return found
+    def from_m2(vid, seen):
+        if vid == m2:
+            return True
+        if vid is None or vid < n_in or vid in seen:
+            return False
+        seen.add(vid)
+        return any(from_m2(ref_id(a), seen) for a in flat_args(op(vid).args))
+    square = ref_id(op(m2).args[0])
+    outputs = set(ir.outputs)
+    layout, subs = [mean], []
+    while layout:
+        v = layout.pop()
+        if v in outputs:
+            return False
+        for r in readers.get(v, []):
+            (layout if op(r).target in _LAYOUT else subs).append(r)
+    for sub in subs:
+        if sub in outputs or op(sub).target != "aten.sub.Tensor":
+            return False
+        for r in readers.get(sub, []):
+            if r == square:
+                continue
+            o = op(r)
+            if r in outputs or o.target != "aten.mul.Tensor" or not any(
+                    ref_id(a) != sub and from_m2(ref_id(a), set()) for a in o.args):
+                return False
+    return True
 
 
 def flat_args(args):

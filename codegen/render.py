@@ -20,7 +20,8 @@ from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
-from .row_loops import RED_FINAL, RED_INIT, column_loop, evicting, row_result, split_phases
+from .row_loops import (RED_FINAL, RED_INIT, SLOTS, column_loop, evicting, row_result,
+                        split_phases)
 from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
                          strided_rows)
 
@@ -56,7 +57,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
             # the same rows split across programs, one kernel per phase (few long rows)
             kernels += [(f"split{s}", _render_kernel(lk, f"_split{s}_kernel", stage=s))
                         for s in range(len(lk.phases))]
-            partials = sum(len(ph.reductions) for ph in lk.phases)
+            partials = sum(SLOTS.get(kind, 1) for ph in lk.phases for _, kind, _, _ in ph.reductions)
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
@@ -439,8 +440,10 @@ def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
             continue
         lines += column_loop(ph, evicting(stmt_lines, i == last, lk.shape), "0", "N",
                              shifted_row=shifted_row)
-        lines += [row_result(res.name, kind, acc, shifted_row, ph.partners.get(acc))
-                  for res, kind, acc, _ in ph.reductions]
+        # a shifted row's loop starts sh columns before it (row_loops.column_loop)
+        span, skip = ("N + sh", "sh") if shifted_row else ("N", "0")
+        for res, kind, acc, _ in ph.reductions:
+            lines += row_result(res.name, kind, acc, ph, shifted_row, span, skip)
     return lines
 
 

@@ -15,10 +15,20 @@ import sympy
 
 from .statements import direct_loads, registers
 
-# "lse": the sum of exp(x - the row's max), in the max's pass (lowered.online_sums): each lane
-# sums exp(x - its own running max) (fl.lse_step, after its max's accumulator, its partner)
+# the reductions taken in a partner's pass (lowered.partner_of, Phase.partners):
+# "lse": the sum of exp(x - the row's max), in the max's pass: each lane sums exp(x - its own
+#   running max) (fl.lse_step, after its max's accumulator, its partner);
+# "wmean" and "m2": a mean and the sum of squared deviations from it, in one pass (Welford's
+#   update): each lane keeps its first element (``_k``), its running mean less that element
+#   (wmean's accumulator: small where the row is offset, so its roundings are), its plain sum
+#   (``_s``: the mean of a row holding an infinity, fl.welford_mean) and the sum of squared
+#   deviations from its mean (m2's, the partner's mean read after its update); the lanes, then
+#   a split row's chunks, combined by Chan's formula (fl.chan_mean, fl.chan_m2)
 RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")',
-            "lse": "0.0"}
+            "lse": "0.0", "wmean": "0.0", "m2": "0.0"}
+# the partials a split row's chunk leaves per reduction: a Welford mean's reference, its mean
+# less the reference (fl.chan_mean) and, where kept, its plain sum
+SLOTS = {"wmean": 3}
 RED_FINAL = {"sum": "tl.sum({a}, axis=1)[:, None]", "mean": "tl.sum({a}, axis=1)[:, None]",
              "max": "fl.row_max({a}, 1)[:, None]", "min": "fl.row_min({a}, 1)[:, None]"}
 _ROWS = {"sum": "tl.sum({a}, axis=1)", "mean": "tl.sum({a}, axis=1)",
@@ -37,19 +47,42 @@ EVICT = int(os.environ.get("FUSION_COMPILER_EVICT", "2"))
 EVICT_MIN_ELEMENTS = 1 << 25
 
 
-def row_result(res, kind, acc, scalar=False, partner=None):
-    """The line giving ``res``, a reduction's per-row result ([XBLOCK, 1], or a scalar where
-    the program's row is one: ``scalar``), from its accumulator. An "lse" sum takes its
-    ``partner`` (the max's accumulator and result): each lane's sum brought to the row's max."""
+def row_result(res, kind, acc, ph, scalar=False, span="N", skip="0"):
+    """The lines giving ``res``, a reduction's per-row result ([XBLOCK, 1], or a scalar where
+    the program's row is one: ``scalar``), from its accumulator, of phase ``ph``. An "lse" sum
+    takes its partner (the max's accumulator and result): each lane's sum brought to the row's
+    max. A "wmean" combines its lanes, which stepped over ``span`` columns in steps of RBLOCK,
+    lanes below ``skip`` one step fewer (fl.welford_counts: a shifted row's ``span`` is
+    ``N + sh``, of which the row's N elements); an "m2" takes its mean's lanes and result."""
     if kind == "lse":
-        m_acc, m_res = partner
+        m_acc, m_res = ph.partners[acc]
         terms = f"fl.lse_terms({acc}, {m_acc}, {m_res.name})"
         total = (_COMBINE["sum"].format(a=_ROWS["sum"].format(a=terms)) if scalar
                  else RED_FINAL["sum"].format(a=terms))
-        return f"{res} = fl.lse_guard({total}, {m_res.name})"
+        return [f"{res} = fl.lse_guard({total}, {m_res.name})"]
+    if kind == "wmean":
+        total = span if skip == "0" else "N"
+        mean = (f"fl.welford_mean({acc}_r, {acc}_c, tl.sum({acc}_s, 1, keep_dims=True), {total})"
+                if acc in ph.sums else f"{acc}_r + {acc}_c")
+        return [f"{acc}_n = fl.welford_counts({span}, RBLOCK, {skip})  # each lane's elements",
+                f"{acc}_r, {acc}_c = fl.chan_mean({acc}_n, {acc}_k, {acc}, {total}, 1)",
+                f"{res} = " + _whole(mean, scalar)]
+    if kind == "m2":
+        m_acc, m_res = ph.partners[acc]
+        return [f"{res} = " + _lanes_m2(acc, m_acc, m_res.name, scalar)]
     if scalar:
-        return f"{res} = " + _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))
-    return f"{res} = " + RED_FINAL[kind].format(a=acc)
+        return [f"{res} = " + _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))]
+    return [f"{res} = " + RED_FINAL[kind].format(a=acc)]
+
+
+def _whole(a, scalar):
+    """A [XBLOCK, 1] value of lanes combined: itself, or the scalar of a program's one row."""
+    return _COMBINE["sum"].format(a=_ROWS["sum"].format(a=a)) if scalar else a
+
+
+def _lanes_m2(acc, m_acc, mean, scalar):
+    """An m2's lanes combined (Chan) about ``mean``, with its Welford mean's lanes and counts."""
+    return _whole(f"fl.chan_m2({m_acc}_n, {m_acc}_k, {m_acc}, {acc}, {mean}, 1)", scalar)
 
 
 def evicting(stmt_lines, last, shape):
@@ -89,8 +122,8 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & ", shifted_row=False):
     first element rounded down to 16 bytes (``rowa``; the row's column is ``vcols - sh``): the
     steps wholly inside the row (``inner``) load and store without masks, in 16-byte vectors;
     the first and the last step mask by element (render's loads and stores, if / else)."""
-    lines = [f"{acc} = tl.full([XBLOCK, RBLOCK], {RED_INIT[kind]}, tl.float32)"
-             for _, kind, acc, _ in ph.reductions]
+    lines = [f"{a} = tl.full([XBLOCK, RBLOCK], {RED_INIT[kind]}, tl.float32)"
+             for _, kind, acc, _ in ph.reductions for a in _accumulators(ph, kind, acc)]
     ahead = direct_loads(ph.body, registers(ph.body)) if PREFETCH else []
     moved = {id(st) for st in ahead}
     loads = [ln for st in ahead for ln in stmt_lines(st)]
@@ -107,52 +140,96 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & ", shifted_row=False):
                 "cols = vcols - sh",
                 "cmask = (cols >= 0) & (cols < N)",
                 "inner = (off >= sh) & (off + RBLOCK <= N + sh)  # no column outside the row"]
-        if ahead:
-            lines += ["off = 0"] + step + loads
-        lines += ["for off in range(0, N + sh, RBLOCK):"] + ["    " + ln for ln in step]
-        lines.append("    mask = cmask")
-        if ahead:
-            # the next step's columns and masks: the same lines at the next step's offset
-            lines += ["    noff = off + RBLOCK"] + [
-                "    " + ahead_of(ln, ("off", "cols", "cmask", "vcols", "inner")) for ln in step]
-            lines += ["    " + shifted(ln) for ln in loads]
-        return _loop_rest(ph, stmt_lines, lines, ahead, moved)
-    if ahead:
-        lines += [f"col0 = {lo}", "cols = col0 + tl.arange(0, RBLOCK)[None, :]",
-                  "cmask = cols < N", "c0mask = col0 < N"] + loads
-    lines += [f"for off in range(0, {extent}, RBLOCK):",
-              f"    col0 = {lo} + off  # the step's first column",
-              "    cols = col0 + tl.arange(0, RBLOCK)[None, :]",
-              "    cmask = cols < N",
-              "    c0mask = col0 < N",
-              f"    mask = {rows}cmask"]
-    if ahead:
+        first = ["off = 0"] + step + loads if ahead else []
+        end, head = "N + sh", step + ["mask = cmask"]
+        # the next step's columns and masks: the same lines at the next step's offset
+        nxt = ["noff = off + RBLOCK"] + [
+            ahead_of(ln, ("off", "cols", "cmask", "vcols", "inner")) for ln in step]
+    else:
+        first = [f"col0 = {lo}", "cols = col0 + tl.arange(0, RBLOCK)[None, :]",
+                 "cmask = cols < N", "c0mask = col0 < N"] + loads if ahead else []
+        end, head = extent, [f"col0 = {lo} + off  # the step's first column",
+                             "cols = col0 + tl.arange(0, RBLOCK)[None, :]",
+                             "cmask = cols < N", "c0mask = col0 < N", f"mask = {rows}cmask"]
         # a split stage's chunk ends before the row (a block compared with a block: Triton
         # 3.9's interpreter makes block & scalar integers)
-        end = "" if extent == "N" else f" & (ncols < {lo} + {extent})"
-        lines += ["    ncol0 = col0 + RBLOCK", "    ncols = cols + RBLOCK",
-                  f"    ncmask = (ncols < N){end}",
-                  f"    nc0mask = (ncol0 < N){end.replace('ncols', 'ncol0')}"]
-        lines += ["    " + shifted(ln) for ln in loads]
-    return _loop_rest(ph, stmt_lines, lines, ahead, moved)
+        stop = "" if extent == "N" else f" & (ncols < {lo} + {extent})"
+        nxt = ["ncol0 = col0 + RBLOCK", "ncols = cols + RBLOCK", f"ncmask = (ncols < N){stop}",
+               f"nc0mask = (ncol0 < N){stop.replace('ncols', 'ncol0')}"]
+    nxt = nxt + [shifted(ln) for ln in loads] if ahead else []
+    lines += first
+    start = "0"
+    body = head + _welford_count(ph, shifted_row) + nxt + _step(ph, stmt_lines, ahead, moved)
+    if any(kind == "wmean" for _, kind, _, _ in ph.reductions):
+        # the first step on its own: it takes each lane's first element, the loop's Welford
+        # updates start from the second (no test of the step a lane starts on, per element);
+        # a shifted row's lanes below sh start inside it a step later: the second step too,
+        # which takes theirs (a step past the row's end, as it may be, is wholly masked)
+        lines += ["off = 0"] + head + nxt + _step(ph, stmt_lines, ahead, moved, True)
+        start = "RBLOCK"
+        if shifted_row:
+            late = [f"{acc}_k = tl.where(tl.arange(0, RBLOCK)[None, :] < sh, {src.name}, {acc}_k)"
+                    for _, kind, acc, src in ph.reductions if kind == "wmean"]
+            lines += ["off = RBLOCK"] + head + _welford_count(ph, True) + nxt + _step(
+                ph, stmt_lines, ahead, moved, late=late)
+            start = "2 * RBLOCK"
+    return lines + [f"for off in range({start}, {end}, RBLOCK):"] + ["    " + ln for ln in body]
 
 
-def _loop_rest(ph, stmt_lines, lines, ahead, moved):
-    """A column loop's body after its header: the statements, the reduction steps, and the
-    loads ahead handed to the next step."""
-    lines += ["    " + ln for st in ph.body if id(st) not in moved for ln in stmt_lines(st)]
+def _accumulators(ph, kind, acc):
+    """A reduction's accumulators: a Welford mean's running mean less its lane's first element,
+    that element (``_k``) and, where the mean is seen (``Phase.sums``), its plain sum (``_s``)."""
+    if kind != "wmean":
+        return (acc,)
+    return (acc, f"{acc}_k") + ((f"{acc}_s",) if acc in ph.sums else ())
+
+
+def _welford_count(ph, shifted_row):
+    """The step's reciprocal count of a phase with a Welford mean: a lane's count is the step's
+    (its lanes start together and stop at the row's end), one division a step, not one an
+    element; in a shifted row the lanes below ``sh`` start a step later (outside the row in
+    the first)."""
+    if not any(kind == "wmean" for _, kind, _, _ in ph.reductions):
+        return []
+    if shifted_row:
+        return ["wr = tl.where(tl.arange(0, RBLOCK)[None, :] < sh, 1.0 / (off // RBLOCK), "
+                "1.0 / (off // RBLOCK + 1))  # 1 / a live lane's count"]
+    return ["wr = 1.0 / (off // RBLOCK + 1)  # 1 / a live lane's count"]
+
+
+def _step(ph, stmt_lines, ahead, moved, first=False, late=()):
+    """A column loop's step after its header: the statements, the reduction steps, and the
+    loads ahead handed to the next step. ``first``: the step that takes each lane's first
+    element for its Welford means, 0 where the lane is outside the row; ``late``: the lines
+    taking the first element of a shifted row's lanes below sh, before the update (which then
+    leaves their mean and m2 at 0)."""
+    lines = [ln for st in ph.body if id(st) not in moved for ln in stmt_lines(st)] + list(late)
     for res, kind, acc, src in ph.reductions:    # before its max's accumulator moves
         if kind == "lse":
             m_acc, v = ph.partners[acc][0], f'tl.where(mask, {src.name}, float("-inf"))'
-            lines += [f"    {acc}_m = fl.max_combine({m_acc}, {v})",
-                      f"    {acc} = fl.lse_step({acc}, {m_acc}, {acc}_m, {v})"]
+            lines += [f"{acc}_m = fl.max_combine({m_acc}, {v})",
+                      f"{acc} = fl.lse_step({acc}, {m_acc}, {acc}_m, {v})"]
     for res, kind, acc, src in ph.reductions:
-        if kind == "lse":
+        if kind == "lse" or (first and kind == "m2"):
+            continue
+        if kind == "wmean" and first:
+            lines += [f"{a} = tl.where(mask, {src.name}, 0.0)"
+                      for a in _accumulators(ph, kind, acc)[1:]]
+            continue
+        if kind == "wmean":     # Welford's running mean, before its m2 partners read it
+            x = f"{src.name} - {acc}_k"   # less the lane's first element
+            lines += [f"{acc}_s = {acc}_s + tl.where(mask, {src.name}, 0.0)"] * (acc in ph.sums)
+            lines += [f"{acc}_d = tl.where(mask, {x} - {acc}, 0.0)",
+                      f"{acc} = {acc} + {acc}_d * wr"]
+            continue
+        if kind == "m2":        # (x - the old mean) * (x - the new mean)
+            m_acc = ph.partners[acc][0]
+            x = f"{src.name} - {m_acc}_k"
+            lines.append(f"{acc} = {acc} + tl.where(mask, {m_acc}_d * ({x} - {m_acc}), 0.0)")
             continue
         step = _STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {RED_INIT[kind]})")
-        lines.append(f"    {acc} = {step}")
-    lines += [f"    {st[1].name} = {st[1].name}_next" for st in ahead]
-    return lines
+        lines.append(f"{acc} = {step}")
+    return lines + [f"{st[1].name} = {st[1].name}_next" for st in ahead]
 
 
 def split_phases(lk, stmt_lines, stage):
@@ -173,6 +250,10 @@ def split_phases(lk, stmt_lines, stage):
     def partials(k, kind):
         return (f"tl.load(ws + ({k} * R + rindex) * S + sidx, mask=smask, "
                 f"other={RED_INIT[kind]})")
+    if any(kind == "wmean" for ph in lk.phases[:stage] for _, kind, _, _ in ph.reductions):
+        # each chunk's elements, for Chan's combination of their means and m2s
+        lines.append("scount = tl.where(smask, tl.minimum(CHUNK, N - sidx * CHUNK), 0)"
+                     ".to(tl.float32)")
     for i, ph in enumerate(lk.phases[:stage + 1]):
         lines += [ln for st in ph.outer for ln in stmt_lines(st)]
         if i < stage:
@@ -185,10 +266,23 @@ def split_phases(lk, stmt_lines, stage):
                              f"{partials(slots[m_acc], 'max')}, {m_res.name})")
                     lines.append(f"{res.name} = fl.lse_guard(tl.sum({terms}, axis=0), "
                                  f"{m_res.name})")
+                elif kind == "wmean":   # the chunks' references and means less them
+                    mean = (f"fl.welford_mean({acc}_r, {acc}_c, tl.sum("
+                            f"{partials(slot + 2, kind)}, 0, keep_dims=True), N)"
+                            if acc in ph.sums else f"{acc}_r + {acc}_c")
+                    lines += [f"{acc}_r, {acc}_c = fl.chan_mean(scount, {partials(slot, kind)}, "
+                              f"{partials(slot + 1, kind)}, N, 0)",
+                              f"{res.name} = tl.sum({mean}, axis=0)"]
+                elif kind == "m2":
+                    m_acc, m_res = ph.partners[acc]
+                    w = slots[m_acc]
+                    lines.append(f"{res.name} = tl.sum(fl.chan_m2(scount, {partials(w, kind)}, "
+                                 f"{partials(w + 1, kind)}, {partials(slot, kind)}, "
+                                 f"{m_res.name}, 0), axis=0)")
                 else:
                     lines.append(f"{res.name} = " + _COMBINE[kind].format(
                         a=partials(slot, kind)))
-                slot += 1
+                slot += SLOTS.get(kind, 1)
             continue
         if not ph.body and not ph.reductions:
             continue
@@ -200,8 +294,22 @@ def split_phases(lk, stmt_lines, stage):
                 chunk_max = _COMBINE["max"].format(a=_ROWS["max"].format(a=m_acc))
                 terms = f"fl.lse_terms({acc}, {m_acc}, {chunk_max})"
                 part = _COMBINE["sum"].format(a=_ROWS["sum"].format(a=terms))
+            elif kind == "wmean":   # the chunk's reference, its mean less it, its sum
+                span = "tl.minimum(N - start, CHUNK)"
+                lines += [f"{acc}_n = fl.welford_counts({span}, RBLOCK, 0)",
+                          f"{acc}_r, {acc}_c = fl.chan_mean({acc}_n, {acc}_k, {acc}, {span}, 1)",
+                          f"{acc}_r = {_whole(f'{acc}_r', True)}",
+                          f"{acc}_c = {_whole(f'{acc}_c', True)}",
+                          f"{acc}_mu = {acc}_r + {acc}_c  # the chunk's mean, its m2s'"]
+                part = f"{acc}_r"
+                for k, v in ((1, f"{acc}_c"), (2, _whole(f"{acc}_s", True)))[:1 + (acc in ph.sums)]:
+                    lines.append(f"tl.store(ws + ({slot + k} * R + rindex) * S + split, {v}, "
+                                 "mask=rmask)")
+            elif kind == "m2":
+                m_acc = ph.partners[acc][0]
+                part = _lanes_m2(acc, m_acc, f"{m_acc}_mu", True)
             else:
                 part = _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))     # a scalar
             lines.append(f"tl.store(ws + ({slot} * R + rindex) * S + split, {part}, mask=rmask)")
-            slot += 1
+            slot += SLOTS.get(kind, 1)
     return lines

@@ -47,6 +47,49 @@ def lse_guard(total, row_max):
 
 
 @triton.jit
+def welford_counts(span, RBLOCK: tl.constexpr, skip):
+    """The elements each lane of a looped row's Welford update took, [1, RBLOCK]: lane j of a
+    loop over ``span`` columns in steps of RBLOCK, one a step while inside, less its first
+    step where ``j < skip`` (a shifted row's lanes before the row's start)."""
+    lane = tl.arange(0, RBLOCK)[None, :]
+    taken = tl.maximum(span - lane + RBLOCK - 1, 0) // RBLOCK - (lane < skip).to(tl.int32)
+    return taken.to(tl.float32)
+
+
+@triton.jit
+def chan_mean(n, k, a, total, axis: tl.constexpr):
+    """The mean of ``total`` elements held as lanes (or chunks) of ``n`` elements whose mean is
+    ``k + a`` (a lane's first element and its mean less it), over ``axis`` (kept), as
+    ``(kr, c)``: a reference near it, and the mean less it. Each lane's ``k - kr`` is exact
+    where the row is offset (both close), so ``c`` keeps the digits an offset of 1e4 would
+    take from a sum of the means. Empty lanes (n = 0) count for nothing, whatever their k."""
+    live = n > 0
+    k = tl.where(live, k, 0.0)
+    kr = tl.sum(n * k, axis, keep_dims=True) / total
+    c = tl.where(live, (k - kr) + a, 0.0)
+    return kr, tl.sum(n * c, axis, keep_dims=True) / total
+
+
+@triton.jit
+def welford_mean(kr, c, s, total):
+    """A row's mean: Welford's (``kr + c``, chan_mean's) where finite, else its plain sum ``s``
+    over ``total``: a row holding an infinity has a Welford mean of NaN (inf - inf in the
+    update) where its sum is the infinity, as eager's mean is."""
+    m = kr + c
+    return tl.where(tl.abs(m) < float("inf"), m, s / total)
+
+
+@triton.jit
+def chan_m2(n, k, a, m2, mu, axis: tl.constexpr):
+    """Chan's combination: the sum of squared deviations from ``mu`` (their combined mean) of
+    lanes (or chunks) of ``n`` elements with mean ``k + a`` (as chan_mean's) and sum of squared
+    deviations ``m2``, over ``axis`` (kept). A rounding of ``mu`` moves it to second order only:
+    the lanes' deviations from the exact mean sum to 0."""
+    d = tl.where(n > 0, (k - mu) + a, 0.0)
+    return tl.sum(m2 + n * d * d, axis, keep_dims=True)
+
+
+@triton.jit
 def min_combine(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 

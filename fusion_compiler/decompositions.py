@@ -3,11 +3,11 @@
 Start from PyTorch's core ATen decompositions, then break the composite memory-bound ops into
 pointwise ops and last-dim reductions the code generator fuses:
 
-    native_layer_norm (+ backward)   -> mean, var (two-pass), rsqrt, mul, add
+    native_layer_norm (+ backward)   -> mean, var (mean, then squared deviations), rsqrt, mul, add
     gelu, silu, sigmoid/tanh backward -> pointwise (computed in fp32 for bf16/fp16 inputs)
     _softmax, _log_softmax (+ backward) -> amax, sub, exp, sum, div
     split, split_with_sizes           -> slices (views)
-    var_mean.correction               -> our two-pass form below (no prims in the graph)
+    var_mean.correction               -> our form below: mean, then squared deviations (no prims)
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
 
@@ -73,7 +73,8 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
 
 def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
     """GroupNorm as one row reduction over x viewed [N, groups, C/groups * HxW]: the mean, then
-    the variance (two passes, fp32 for bf16/fp16), the output computed on those rows (weight
+    the variance (fp32 for bf16/fp16; a looped kernel takes both in one pass, codegen/
+    row_loops.py's Welford update), the output computed on those rows (weight
     and bias broadcast to them by channel) and viewed back to x's shape, rounded to x's dtype
     once, as ATen's kernel rounds it; in x's memory format, as ATen gives it. The generated row
     kernel computes each row's statistics and its elements (a UNet's GroupNorm + SiLU is one

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codegen.kernel_ir import CONSTANT_VALUE_ARG
+from ..codegen.lowered import partner_of
 from .classify import GATHERS, OpKind
 from .cost_model import kernel_cost, tensor_bytes
 from .shapes import hint
@@ -176,9 +177,10 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
 
     A row too long for registers is streamed once per reduction level and once more for the
     per-element outputs: a LayerNorm over a long row reads its input three times (the mean,
-    the variance, the output). A softmax's sum of exps is taken in its max's pass (the
-    online softmax, ``_online_sum``): a softmax reads its rows twice, a cross-entropy (per-row
-    outputs alone) once."""
+    the variance, the output). A reduction with a partner (``codegen.lowered.partner_of``) is
+    taken in its partner's pass: a softmax's sum of exps in its max's (the online softmax), a
+    norm's variance in its mean's (Welford's update). A softmax or a LayerNorm reads its rows
+    twice, a cross-entropy (per-row outputs alone) once."""
     reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
     if not reductions:
         return 1, ()
@@ -186,12 +188,12 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     n = hint(src.shape[-1], ctx.size_hints)
     if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
         return 1, ()
-    level = {}
+    level, graph = {}, _FXGraph(set(group.members))
     for m in sorted(group.members, key=view.order.__getitem__):
         up = [level[s] for s in view.sources(m, set()) if s in level]
-        online = _online_sum(m) if m in reductions else None
-        if online is not None and online in level:
-            level[m] = level[online]
+        partner = partner_of(m, graph) if m in reductions else None
+        if partner is not None and partner[1] in level:
+            level[m] = level[partner[1]]
         else:
             level[m] = max(up, default=0) + (1 if m in reductions else 0)
     row_numel = hint(src.numel, ctx.size_hints)
@@ -202,21 +204,23 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     return passes, row_inputs
 
 
-def _online_sum(node):
-    """The amax node of ``sum(exp(x - amax(x)))`` over fp32 values, where ``node`` is that sum
-    (the looped kernel takes it in the amax's pass: codegen/lowered.online_sums), else None."""
-    def fp32(n):
-        return isinstance(n, torch.fx.Node) and n.meta["fc_tensor"].dtype == torch.float32
-    aten = torch.ops.aten
-    e = node.args[0] if node.target == aten.sum.dim_IntList and fp32(node) else None
-    if not fp32(e) or e.target != aten.exp.default:
-        return None
-    d = e.args[0]
-    if not fp32(d) or d.target != aten.sub.Tensor or d.kwargs or not fp32(d.args[1]):
-        return None
-    m = d.args[1]
-    while m.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                       aten.expand.default) and fp32(m.args[0]):
-        m = m.args[0]
-    ok = m.target == aten.amax.default and m.args[0] is d.args[0] and fp32(d.args[0])
-    return m if ok and list(m.args[1]) == list(node.args[1]) else None
+class _FXGraph:
+    """A group's FX nodes as ``codegen.lowered.partner_of`` reads them (a node outside the
+    group is an input of its kernel, as in the kernel's IR)."""
+
+    def __init__(self, members):
+        self.members = members
+
+    def op(self, node):
+        if node not in self.members or node.op != "call_function":
+            return None
+        return str(node.target), node.args, node.kwargs
+
+    @staticmethod
+    def ref(arg):
+        return arg if isinstance(arg, torch.fx.Node) else None
+
+    @staticmethod
+    def meta(node):
+        t = node.meta["fc_tensor"]
+        return t.dtype, tuple(str(d) for d in t.shape)

@@ -155,12 +155,13 @@ def test_looped_reduction_counts_each_pass_over_the_row():
 
 
 @pytest.mark.parametrize("case, passes", [
-    ("softmax", 2), ("log_softmax of a product", 2), ("layer_norm", 3), ("var_mean", 2),
-    ("logsumexp", 1), ("softmax in bf16 ops", 3)])
+    ("softmax", 2), ("log_softmax of a product", 2), ("layer_norm", 2), ("var_mean", 1),
+    ("a third moment", 3), ("logsumexp", 1), ("softmax in bf16 ops", 3)])
 def test_looped_passes_are_the_kernels(case, passes, monkeypatch):
     """The passes the cost model charges a looped kernel are the ones it makes: one a reduction
     level, one more for per-element outputs; a softmax's sum of exps (over fp32) is taken in its
-    max's pass (the online softmax). No L2 here: each pass reads the rows from HBM."""
+    max's pass (the online softmax), a variance in its mean's (Welford's update), not a third
+    moment. No L2 here: each pass reads the rows from HBM."""
     monkeypatch.setitem(PROFILES, "h200", dataclasses.replace(H200, l2_bytes=0))
     x = torch.randn(8, 4096)
     fns = {
@@ -168,6 +169,8 @@ def test_looped_passes_are_the_kernels(case, passes, monkeypatch):
         "log_softmax of a product": lambda t: torch.log_softmax(t * 2.0, -1),
         "layer_norm": lambda t: F.layer_norm(t, (4096,)),
         "var_mean": lambda t: torch.var_mean(t, -1),
+        "a third moment": lambda t: (lambda d: d / (d * d * d).mean(-1, keepdim=True))(
+            t - t.mean(-1, keepdim=True)),
         "logsumexp": lambda t: (t.amax(-1, keepdim=True)
                                 + torch.exp(t - t.amax(-1, keepdim=True)).sum(-1, keepdim=True).log()),
         # exp(x - max) in bf16 (no upcast): the kernel keeps eager's roundings, in its own pass
@@ -181,13 +184,13 @@ def test_looped_passes_are_the_kernels(case, passes, monkeypatch):
 
 
 def test_unprofitable_merge_is_refused_for_that_reason():
-    """A looped LayerNorm reads its input three times; fusing a producer with three big inputs
-    into it would read those three times instead of writing and reading one tensor once."""
-    a, b, c = (torch.randn(4096, 4096) for _ in range(3))
-    ctx = analyze(lambda a, b, c: F.layer_norm(a * b + c, (4096,)), a, b, c,
+    """A looped LayerNorm reads its input twice; fusing a producer with four big inputs into it
+    would read those twice (8 tensors) instead of writing and reading one tensor (4 + 1 + 2)."""
+    a, b, c, d = (torch.randn(4096, 4096) for _ in range(4))
+    ctx = analyze(lambda a, b, c, d: F.layer_norm(a * b + c * d, (4096,)), a, b, c, d,
                   max_persistent_block=1024)
     groups = sorted(ops_of(g) for g in ctx.groups)
-    assert ["add", "mul"] in groups, groups            # the producer stays its own kernel
+    assert ["add", "mul", "mul"] in groups, groups     # the producer stays its own kernel
     refused = [d for d in ctx.decisions if not d["taken"] and d["reason"].startswith("unprofitable")]
     assert any(d["bytes_after"] > d["bytes_before"] for d in refused), ctx.decisions
 
