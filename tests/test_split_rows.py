@@ -178,11 +178,11 @@ def test_split_rows_train(small_chunks, device):
 
 def test_split_settings_rule():
     """The rule at the real sizes (H200: 132 SMs in the interpreter too): a VAE GroupNorm's 32
-    rows of 262144 take 16 chunks of 16384 (512 programs); a batch-1 softmax over GPT-2's
-    vocabulary 5; as many rows as SMs (a UNet's GroupNorm at batch 8: 256 rows), or rows
-    shorter than two chunks, none."""
+    rows of 262144 take 32 chunks of 8192 (1024 programs, about 8 an SM); a batch-1 softmax
+    over GPT-2's vocabulary 5; as many rows as SMs (a UNet's GroupNorm at batch 8: 256 rows),
+    or rows shorter than two chunks, none."""
     launch.split_settings.cache_clear()
-    assert launch.split_settings(32, 262144)[:3] == (16, 16384, 16)
+    assert launch.split_settings(32, 262144)[:3] == (32, 8192, 32)
     assert launch.split_settings(1, 50257)[:3] == (5, 10240, 8)
     assert launch.split_settings(131, 50257)[0] == 5
     assert launch.split_settings(132, 50257) is None
