@@ -289,10 +289,9 @@ def split_phases(lk, stmt_lines, stage):
         # CHUNK is a multiple of RBLOCK: a step never crosses into the next chunk
         lines += column_loop(ph, stmt_lines, "start", "CHUNK", rows="")
         for res, kind, acc, src in ph.reductions:
-            if kind == "lse":       # the chunk's lanes brought to the chunk's max
+            if kind == "lse":       # the chunk's lanes brought to the chunk's max (its partial)
                 m_acc = ph.partners[acc][0]
-                chunk_max = _COMBINE["max"].format(a=_ROWS["max"].format(a=m_acc))
-                terms = f"fl.lse_terms({acc}, {m_acc}, {chunk_max})"
+                terms = f"fl.lse_terms({acc}, {m_acc}, {m_acc}_p)"
                 part = _COMBINE["sum"].format(a=_ROWS["sum"].format(a=terms))
             elif kind == "wmean":   # the chunk's reference, its mean less it, its sum
                 span = "tl.minimum(N - start, CHUNK)"
@@ -308,8 +307,9 @@ def split_phases(lk, stmt_lines, stage):
             elif kind == "m2":
                 m_acc = ph.partners[acc][0]
                 part = _lanes_m2(acc, m_acc, f"{m_acc}_mu", True)
-            else:
-                part = _COMBINE[kind].format(a=_ROWS[kind].format(a=acc))     # a scalar
+            else:       # a scalar, named: an lse partner reads the chunk's max
+                lines.append(f"{acc}_p = " + _COMBINE[kind].format(a=_ROWS[kind].format(a=acc)))
+                part = f"{acc}_p"
             lines.append(f"tl.store(ws + ({slot} * R + rindex) * S + split, {part}, mask=rmask)")
             slot += SLOTS.get(kind, 1)
     return lines
