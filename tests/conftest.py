@@ -56,8 +56,8 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def small_steps(monkeypatch):
     """Looped row kernels on small rows: rows longer than 16 loop in steps of 16 columns, one
-    program a row (never split); yields ``monkeypatch`` for further settings (a test that
-    splits sets ``SPLIT_RBLOCK`` and ``SPLIT_MIN_CHUNK``, then clears ``split_settings``)."""
+    program a row (never split: a test that splits takes ``small_chunks``); yields
+    ``monkeypatch`` for further settings."""
     from fusion_compiler.codegen import launch
     monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
     monkeypatch.setattr(launch, "LOOPED_RBLOCK", 16)
@@ -67,4 +67,14 @@ def small_steps(monkeypatch):
     yield monkeypatch
     monkeypatch.undo()
     launch.row_settings.cache_clear()
+    launch.split_settings.cache_clear()
+
+
+@pytest.fixture
+def small_chunks(small_steps):
+    """``small_steps``, and rows split across programs where they make two chunks: a chunk
+    takes at least 32 columns, in steps of 16."""
+    from fusion_compiler.codegen import launch
+    small_steps.setattr(launch, "SPLIT_RBLOCK", 16)
+    small_steps.setattr(launch, "SPLIT_MIN_CHUNK", 32)
     launch.split_settings.cache_clear()

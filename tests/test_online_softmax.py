@@ -101,13 +101,10 @@ def test_nan_and_infinite_rows(small_steps, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_split_rows_combine_their_chunks_sums(dtype, small_steps, device):
+def test_split_rows_combine_their_chunks_sums(dtype, small_chunks, device):
     """Split across programs (chunks of 32 columns), the max's stage also leaves each chunk's
     sum of exps, brought to the chunk's max; the output stage brings them to the row's: two
     stages, not three."""
-    small_steps.setattr(launch, "SPLIT_RBLOCK", 16)
-    small_steps.setattr(launch, "SPLIT_MIN_CHUNK", 32)
-    launch.split_settings.cache_clear()
     x = hard_rows(301, dtype, device)[:3].contiguous()
     x[1, 7] = float("-inf")
     x[2, 200:] = float("-inf")      # whole chunks of -inf: left out of the row's sum

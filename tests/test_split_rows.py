@@ -20,14 +20,6 @@ from patterns import randn
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture
-def small_chunks(small_steps):
-    """Rows longer than 16 loop (steps of 16 columns); a chunk takes at least 32 columns."""
-    small_steps.setattr(launch, "SPLIT_RBLOCK", 16)
-    small_steps.setattr(launch, "SPLIT_MIN_CHUNK", 32)
-    launch.split_settings.cache_clear()
-
-
 @contextlib.contextmanager
 def spied(reports):
     """The split settings each launch of the reported kernels takes while in the block."""

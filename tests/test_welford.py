@@ -137,13 +137,10 @@ def test_nan_and_infinite_rows(small_steps, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_split_rows_combine_their_chunks_moments(dtype, small_steps, device):
+def test_split_rows_combine_their_chunks_moments(dtype, small_chunks, device):
     """Split across programs (chunks of 32 columns, the last one short), the first stage
     leaves each chunk's mean and sum of squared deviations; the second combines them: two
     stages, not three."""
-    small_steps.setattr(launch, "SPLIT_RBLOCK", 16)
-    small_steps.setattr(launch, "SPLIT_MIN_CHUNK", 32)
-    launch.split_settings.cache_clear()
     x = hard_rows(301, dtype, device)[:4].contiguous()
     x[3, 7] = float("nan")
     for fn in (layer_norm, var_mean):
