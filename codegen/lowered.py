@@ -138,10 +138,19 @@ def partnered(ir: KernelIR) -> dict:
     return found
 
 
+# ops whose result is NaN where an operand is (a norm's rstd from its variance)
+_NAN_KEEPING = _LAYOUT | {
+    "aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.mul.Tensor",
+    "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", "aten.rsqrt.default",
+    "aten.sqrt.default", "aten.reciprocal.default", "aten.pow.Tensor_Scalar",
+    "aten._to_copy.default", "aten.clone.default", "aten.squeeze.dim", "aten.unsqueeze.default"}
+
+
 def mean_hidden(ir: KernelIR, mean: int, m2: int) -> bool:
     """Whether a Welford mean's value (``mean``, partner of the variance ``m2``) is seen only
     through a norm: read (through views and expands) by ``x - mean`` alone, each read by the
-    variance's square or multiplied by a value computed from the variance (rstd). Then a row
+    variance's square or multiplied by a value computed from the variance by ops that keep its
+    NaN (rstd; not a ``where`` or a ``nan_to_num``). Then a row
     holding an infinity, whose Welford mean is NaN where a sum's is the infinity, gives NaN
     anyway (its variance is NaN), and the plain sum beside the mean is not kept (Phase.sums):
     a LayerNorm's or a GroupNorm's, not a var_mean's."""
@@ -155,10 +164,10 @@ def mean_hidden(ir: KernelIR, mean: int, m2: int) -> bool:
     def op(vid):
         return ir.ops[vid - n_in]
 
-    def from_m2(vid, seen):
+    def from_m2(vid, seen):     # computed from the variance by ops that keep its NaN
         if vid == m2:
             return True
-        if vid is None or vid < n_in or vid in seen:
+        if vid is None or vid < n_in or vid in seen or op(vid).target not in _NAN_KEEPING:
             return False
         seen.add(vid)
         return any(from_m2(ref_id(a), seen) for a in flat_args(op(vid).args))

@@ -222,3 +222,30 @@ def test_persistent_rows_keep_two_levels(device):
     text = "\n".join(open(k["path"]).read() for r in reports for k in r.kernels)
     assert "fl.chan_m2(" not in text and "def _looped_kernel" not in text
     assert_outputs_close(out, layer_norm(x))
+
+
+def guarded_norm(x):
+    """A norm whose rstd hides the variance's NaN (nan_to_num): a row holding an infinity
+    shows its mean, x - (-inf) = inf, where Welford's NaN mean would make every element NaN."""
+    xf = up(x)
+    m = xf.mean(-1, keepdim=True)
+    v = ((xf - m) * (xf - m)).mean(-1, keepdim=True)
+    return (xf - m) * torch.nan_to_num(torch.rsqrt(v + 1e-5), nan=1.0)
+
+
+@pytest.mark.parametrize("fn, kept", [(layer_norm, False), (var_mean, True),
+                                      (guarded_norm, True)], ids=["layer_norm", "var_mean",
+                                                                  "guarded_norm"])
+def test_the_plain_sum_only_where_the_mean_is_seen(fn, kept, small_steps, device):
+    """Beside Welford's mean the lanes keep a plain sum (the mean of a row holding an
+    infinity) only where the mean is seen other than through a norm (lowered.mean_hidden): not
+    a LayerNorm's, whose rstd is NaN on such a row anyway."""
+    x = randn((4, 41), torch.float32, device)
+    x[1, 0] = float("-inf")
+    x[2, 30] = float("inf")
+    out, reports = compile_and_run(fn, (x,))
+    src = looped_source(reports)
+    assert "fl.chan_m2(" in src
+    assert ("fl.welford_mean(" in src) == kept
+    expected = fn(x) if fn is not var_mean else (var_mean(x)[0], x.mean(-1))
+    assert_outputs_close(out, expected)
