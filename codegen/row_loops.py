@@ -20,10 +20,11 @@ from .statements import direct_loads, registers
 #   running max) (fl.lse_step, after its max's accumulator, its partner);
 # "wmean" and "m2": a mean and the sum of squared deviations from it, in one pass (Welford's
 #   update): each lane keeps its first element (``_k``), its running mean less that element
-#   (wmean's accumulator: small where the row is offset, so its roundings are), its plain sum
-#   (``_s``: the mean of a row holding an infinity, fl.welford_mean) and the sum of squared
-#   deviations from its mean (m2's, the partner's mean read after its update); the lanes, then
-#   a split row's chunks, combined by Chan's formula (fl.chan_mean, fl.chan_m2)
+#   (wmean's accumulator: small where the row is offset, so its roundings are), where the mean
+#   is seen its plain sum (``_s``: the mean of a row holding an infinity, fl.welford_mean;
+#   Phase.sums), and the sum of squared deviations from its mean (m2's, the partner's mean
+#   read after its update); the lanes, then a split row's chunks, combined by Chan's formula
+#   (fl.chan_mean, fl.chan_m2)
 RED_INIT = {"sum": "0.0", "mean": "0.0", "max": 'float("-inf")', "min": 'float("inf")',
             "lse": "0.0", "wmean": "0.0", "m2": "0.0"}
 # the partials a split row's chunk leaves per reduction: a Welford mean's reference, its mean
