@@ -20,8 +20,8 @@ from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
-from .row_loops import (RED_FINAL, RED_INIT, SLOTS, column_loop, evicting, row_result,
-                        split_phases)
+from .row_loops import (RED_FINAL, RED_INIT, column_loop, evicting, partial_slots,
+                        row_result, split_phases)
 from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
                          strided_rows)
 
@@ -57,7 +57,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
             # the same rows split across programs, one kernel per phase (few long rows)
             kernels += [(f"split{s}", _render_kernel(lk, f"_split{s}_kernel", stage=s))
                         for s in range(len(lk.phases))]
-            partials = sum(SLOTS.get(kind, 1) for ph in lk.phases for _, kind, _, _ in ph.reductions)
+            partials = partial_slots(lk.phases)
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},

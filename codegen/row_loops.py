@@ -90,8 +90,9 @@ def evicting(stmt_lines, last, shape):
     """A looped kernel's statements with eviction hints on the row's loads and stores (as
     ``EVICT`` says), where its rows (``shape``, static) hold more than L2
     (``EVICT_MIN_ELEMENTS``): the passes before the last keep the row in L2 for the next
-    (evict_last), the last pass and the stores stream it (evict_first). H200, kernel time after an L2 flush, no hints / loads
-    only / loads and stores (benchmarks/long_rows.py --profile, us): softmax 4096 x 50257
+    (evict_last), the last pass and the stores stream it (evict_first). H200, kernel time
+    after an L2 flush, no hints / loads only / loads and stores (benchmarks/long_rows.py
+    --profile, us): softmax 4096 x 50257
     511.0 / 525.5 / 495.8, log_softmax 8192 x 30522 484.7 / 468.2 / 443.6, LayerNorm 2048 x
     32768 125.4 / 124.6 / 117.7; GroupNorm 256 x 40960 (21 MB, left without) 28.3 / 30.5 /
     29.9."""
@@ -161,7 +162,7 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & ", shifted_row=False):
     lines += first
     start = "0"
     body = head + _welford_count(ph, shifted_row) + nxt + _step(ph, stmt_lines, ahead, moved)
-    if any(kind == "wmean" for _, kind, _, _ in ph.reductions):
+    if _welford(ph):
         # the first step on its own: it takes each lane's first element, the loop's Welford
         # updates start from the second (no test of the step a lane starts on, per element);
         # a shifted row's lanes below sh start inside it a step later: the second step too,
@@ -177,6 +178,16 @@ def column_loop(ph, stmt_lines, lo, extent, rows="rmask & ", shifted_row=False):
     return lines + [f"for off in range({start}, {end}, RBLOCK):"] + ["    " + ln for ln in body]
 
 
+def _welford(ph):
+    """Whether phase ``ph`` takes a Welford mean."""
+    return any(kind == "wmean" for _, kind, _, _ in ph.reductions)
+
+
+def partial_slots(phases) -> int:
+    """The partials a split row's chunk leaves in ``ws`` for the reductions of ``phases``."""
+    return sum(SLOTS.get(kind, 1) for ph in phases for _, kind, _, _ in ph.reductions)
+
+
 def _accumulators(ph, kind, acc):
     """A reduction's accumulators: a Welford mean's running mean less its lane's first element,
     that element (``_k``) and, where the mean is seen (``Phase.sums``), its plain sum (``_s``)."""
@@ -190,7 +201,7 @@ def _welford_count(ph, shifted_row):
     (its lanes start together and stop at the row's end), one division a step, not one an
     element; in a shifted row the lanes below ``sh`` start a step later (outside the row in
     the first)."""
-    if not any(kind == "wmean" for _, kind, _, _ in ph.reductions):
+    if not _welford(ph):
         return []
     if shifted_row:
         return ["wr = tl.where(tl.arange(0, RBLOCK)[None, :] < sh, 1.0 / (off // RBLOCK), "
@@ -251,7 +262,7 @@ def split_phases(lk, stmt_lines, stage):
     def partials(k, kind):
         return (f"tl.load(ws + ({k} * R + rindex) * S + sidx, mask=smask, "
                 f"other={RED_INIT[kind]})")
-    if any(kind == "wmean" for ph in lk.phases[:stage] for _, kind, _, _ in ph.reductions):
+    if any(_welford(ph) for ph in lk.phases[:stage]):
         # each chunk's elements, for Chan's combination of their means and m2s
         lines.append("scount = tl.where(smask, tl.minimum(CHUNK, N - sidx * CHUNK), 0)"
                      ".to(tl.float32)")
