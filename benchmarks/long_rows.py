@@ -1,5 +1,6 @@
 """Few long rows on the GPU: eager vs Inductor vs fusion, and fusion with its rows split across
-programs turned off (one program a row, the looped kernel), against the HBM floor (read the
+programs turned off (one program a row, the looped kernel) and with no row held in registers
+(``fusion_looped``: the looped kernel where the resident one would run), against the HBM floor (read the
 input, write the output; cross-entropy: read the logits), bf16, do_bench medians (least of two turns).
 
     python benchmarks/long_rows.py [--out results.json] [--only NAME...] [--profile]
@@ -178,8 +179,11 @@ def main():
         floor = nbytes / bw * 1e3
         torch._dynamo.reset()
         fused = torch.compile(fn, backend="fusion")
+        # the rows streamed by the looped kernel, not held by the resident one
+        looped = torch.compile(lambda *xs: fn(*xs), backend="fusion",
+                               options={"max_resident_row": 0})
         fns = {"eager": fn, "inductor": torch.compile(fn), "fusion": fused,
-               "fusion_nosplit": fused}
+               "fusion_nosplit": fused, "fusion_looped": looped}
         settings = {"fusion_nosplit": _Split(0)}
         for v in a.variants:
             fns[f"fusion_{v}"] = fused

@@ -92,6 +92,30 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
     return xblock, rblock, False, warps
 
 
+# a row longer than a persistent program's block, short enough to stay in registers, is held
+# by one program as static chunks of RESIDENT_RBLOCK columns on RESIDENT_WARPS warps (the
+# resident kernel, codegen/render.py): read once, where a looped kernel reads it once a pass.
+# H200, one program a row, kernel time after an L2 flush (scratch/reg_rows.py), us: softmax
+# 4096 x 50257 273 (13 chunks of 4096 on 32 warps; eager 361, the looped kernel 410, Inductor
+# 561), 8192 x 30522 383 (looped 463), 2048 x 32768 93 (looped 98); chunks of 8192 spilled
+# (372 us at 50257), chunks of 2048 or 16 warps were slower (292, 302)
+RESIDENT_RBLOCK = 4096
+RESIDENT_WARPS = 32
+
+
+def resident(n: int, max_persistent_block: int, max_resident_row: int) -> bool:
+    """Whether a static row of ``n`` elements is held by the resident kernel: longer than a
+    persistent program's block, at most ``max_resident_row`` with the up to 7 columns read
+    before it (a row read from its 16 bytes)."""
+    return _next_pow2(n) > max_persistent_block and n + 7 <= max_resident_row
+
+
+def resident_chunks(n: int, pad: int = 0) -> int:
+    """Chunks of ``RESIDENT_RBLOCK`` columns holding a row of ``n`` elements read from ``pad``
+    columns before its first (a row read from its first element rounded down to 16 bytes)."""
+    return -(-(n + pad) // RESIDENT_RBLOCK)
+
+
 # a looped kernel's rows are split until the grid has this many programs an SM: the stages
 # stream from HBM, and more programs keep more bytes in flight (the VAE's GroupNorm + SiLU,
 # 32 rows of 1048576, H200, kernel time: 4 an SM 82.0 us, 8 69.1, 16 on 4 warps 68.0,

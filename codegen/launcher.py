@@ -12,6 +12,7 @@ import torch
 
 from .indexing import print_expr
 from .kernel_ir import KernelIR
+from . import launch as rules
 from .lowered import GATHERS
 
 INDEX_LIMIT = 2**31 - 1
@@ -175,8 +176,13 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
                 constexprs + ["HOIST"], settings + ["HOIST"], ind)
 
         def looped(ind):
-            one = launch("looped", "grid", kernels["looped"] + ["R", "N"], constexprs, settings,
-                         ind)
+            if "resident" in kernels:   # the row held in registers, a program a row
+                one = [f"{' ' * ind}XBLOCK, RBLOCK, num_warps = 1, {rules.RESIDENT_RBLOCK}, "
+                       f"{rules.RESIDENT_WARPS}"] + launch("resident", "R", kernels["resident"]
+                                                     + ["R", "N"], constexprs, settings, ind)
+            else:
+                one = launch("looped", "grid", kernels["looped"] + ["R", "N"], constexprs,
+                             settings, ind)
             if not partials:
                 return one
             # few long rows: each split across S programs, one kernel per phase, the partial
@@ -199,7 +205,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
                                 ["XBLOCK", "RBLOCK", "SBLOCK", "index64"], settings + ["SBLOCK"],
                                 ind + 4, ["ws"], keyed=same)
             return lines + [f"{pad}else:"] + ["    " + ln for ln in one]
-        if "looped" not in kernels:
+        if "looped" not in kernels and "resident" not in kernels:
             lines += persistent(8)
         elif "persistent" not in kernels:
             lines += looped(8)

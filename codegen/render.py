@@ -16,11 +16,12 @@ import torch
 from . import ops
 from .indexing import affine_coeffs, coalesce, flatten_index, print_expr, step_divisors
 from .kernel_ir import KernelIR, NotFusable, ref_id
+from . import launch as rules
 from .launcher import checks_indices, py_expr, render_launcher
 from .lower import Lowering, iteration_space
 from .lowered import COL, GATHERS, LoweredKernel
 from .multipart import split
-from .row_loops import (RED_FINAL, RED_INIT, column_loop, evicting, partial_slots,
+from .row_loops import (_STEP, RED_FINAL, RED_INIT, column_loop, evicting, partial_slots,
                         row_result, split_phases)
 from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
                          strided_rows)
@@ -31,8 +32,12 @@ COLS = sympy.Symbol("cols", integer=True, nonnegative=True)
 COL0 = sympy.Symbol("col0", integer=True, nonnegative=True)     # a loop step's first column
 
 
-def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -> str:
-    """Full source of the module for one fused group."""
+def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
+             max_resident_row: int = 0) -> str:
+    """Full source of the module for one fused group. A row longer than
+    ``max_persistent_block`` (as a power of two) is held in registers by the resident kernel
+    where it is static and at most ``max_resident_row`` long, else streamed by the looped
+    kernel; few such rows are split across programs (the split stages)."""
     parts = multipart_parts(ir)
     if parts is not None:
         return _generate_multipart(ir, parts, hints, title)
@@ -53,7 +58,12 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int) -
             kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
         if not fits:
             lk = Lowering(ir, hints, False).run()
-            kernels.append(("looped", _render_kernel(lk, "_looped_kernel")))
+            if n.is_Integer and rules.resident(int(n), max_persistent_block, max_resident_row):
+                # the persistent lowering: the row's values live in registers, each computed once
+                kernels.append(("resident", _render_kernel(Lowering(ir, hints, True).run(),
+                                                           "_resident_kernel")))
+            else:
+                kernels.append(("looped", _render_kernel(lk, "_looped_kernel")))
             # the same rows split across programs, one kernel per phase (few long rows)
             kernels += [(f"split{s}", _render_kernel(lk, f"_split{s}_kernel", stage=s))
                         for s in range(len(lk.phases))]
@@ -209,8 +219,12 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
 
     # a looped kernel's rows that do not start on 16 bytes: (elements in 16 bytes, the row's
     # first element), its loop then steps from the row's 16 bytes (row_loops.column_loop)
-    shift = _row_shift(lk, idx) if row and stage is None and name == "_looped_kernel" else None
-    scalar_row = stage is not None or shift is not None     # one row a program, a scalar
+    resident = name == "_resident_kernel"
+    shift = (_row_shift(lk, idx) if row and stage is None and name in ("_looped_kernel",
+                                                                        "_resident_kernel")
+             else None)
+    # one row a program, a scalar (a resident kernel's is a [1, 1] block, as a persistent's)
+    scalar_row = stage is not None or (shift is not None and not resident)
 
     def condition(pred_set):
         """Predicates as Triton code: True / False when the sizes alone decide them (a slice
@@ -245,6 +259,19 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
             parts.append(cond)
         return " & ".join(parts) or "True"
 
+    def row_address(ptr, off):
+        """A resident kernel's address of column offset ``off``: the row's pointer first, then
+        the chunk's columns, where the columns add to it (``cols + f(row)``): the load and
+        the store of a chunk then share no per-element offsets, which kept 13 chunks' of them
+        live between the two (spilled, softmax over rows of 50257: 65 spill instructions,
+        4 this way; sm_90, CPU)."""
+        rest = sympy.expand(off - COLS)
+        if shift:
+            return f"({ptr} + rowa) + vcols"
+        if COLS in rest.free_symbols:
+            return f"{ptr} + {print_expr(off)}"
+        return f"({ptr} + {print_expr(rest)}) + cols"
+
     def load(stmt, evict=None):
         _, var, in_id, offset, pred_set = stmt
         off = idx(offset)
@@ -260,6 +287,10 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         # the row streamed (row_loops.evicting)
         hint = f', eviction_policy="{evict}"' if evict and {RINDEX, COLS} <= used else ""
         other += hint
+        if resident and COLS in used:
+            # a chunk inside every row has a constant mask, which Triton drops
+            return [f"{var.name} = tl.load({row_address(f'in{in_id}', off)}{pad}, "
+                    f"mask={m}{other}){conv}"]
         if shift and COLS in used:
             # no mask inside the row: 16-byte loads from the row's 16 bytes
             addr = f"in{in_id} + (rowa + vcols)"
@@ -291,6 +322,8 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
         value = store_value(var.name, defs.get(var.name, ""), dtype)
         hint = f', eviction_policy="{evict}"' if evict and row_level else ""
+        if resident and COLS in off.free_symbols:
+            return [f"tl.store({row_address(f'out{pos}', off)}{pad}, {value}, mask={mask})"]
         if shift and COLS in off.free_symbols:
             addr = f"out{pos} + (rowa + vcols)"
             return ["if inner:", f"    tl.store({addr}, {value}{hint})", "else:",
@@ -335,6 +368,19 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
             lines.append("rmask = rmask & (split == 0)  # per-row outputs: one program stores")
             for stmt in lk.tail:
                 lines += stmt_lines(stmt)
+    elif row and resident:
+        lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]  # XBLOCK 1",
+                  "rmask = tl.full([XBLOCK, 1], True, tl.int1)  # a program a row, none past R"]
+        pad = 0
+        if shift:
+            v, start = shift
+            pad = v - 1
+            lines += [f"rstart = {print_expr(start)}  # the row's first element",
+                      f"rowa = (rstart // {v}) * {v}  # rounded down to 16 bytes",
+                      "sh = (rstart - rowa).to(tl.int32)  # the row's column at rowa is -sh"]
+        lines += _resident_phases(lk, stmt_lines, int(lk.shape[-1]), pad, shift is not None)
+        for stmt in lk.tail:
+            lines += stmt_lines(stmt)
     elif row and shift:
         v, start = shift
         lines += ["rindex = pid  # one row a program (XBLOCK 1), as a scalar",
@@ -444,6 +490,49 @@ def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
         span, skip = ("N + sh", "sh") if shifted_row else ("N", "0")
         for res, kind, acc, _ in ph.reductions:
             lines += row_result(res.name, kind, acc, ph, shifted_row, span, skip)
+    return lines
+
+
+def _resident_phases(lk, stmt_lines, n, pad, shifted):
+    """A resident kernel's phases: the persistent lowering's, its row held in registers as
+    ``launch.resident_chunks`` static chunks of RBLOCK columns, every column statement written
+    once a chunk (its values named ``_j`` for chunk j), each statement for all chunks before
+    the next, so all the row's loads go out before its first reduction. A reduction combines
+    its chunks element by element, then reduces once (one cross-warp exchange, not one a
+    chunk). A chunk wholly inside every row has a constant mask, which Triton drops: its loads
+    and stores are unpredicated 16-byte vectors. ``shifted``: the chunks step from the row's
+    first element rounded down to 16 bytes (``rowa``, ``pad`` columns before it at most)."""
+    chunks = rules.resident_chunks(n, pad)
+    names = sorted({st[1].name for ph in lk.phases for st in ph.body
+                    if st[0] in ("load", "assign", "select")}
+                   | {"cols", "vcols", "cmask", "mask"}, key=len, reverse=True)
+    # not a keyword argument (``mask=``)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b(?!=[^=])")
+
+    def at(line, j):
+        return pattern.sub(lambda m: f"{m.group(1)}_{j}", line)
+    lines = []
+    for j in range(chunks):
+        first = f"{j} * RBLOCK + tl.arange(0, RBLOCK)[None, :]"
+        lines += [f"vcols_{j} = {first}", f"cols_{j} = vcols_{j} - sh"] if shifted else [
+            f"cols_{j} = {first}"]
+        if j * rules.RESIDENT_RBLOCK >= pad and (j + 1) * rules.RESIDENT_RBLOCK <= n:
+            lines.append(f"cmask_{j} = tl.full([1, RBLOCK], True, tl.int1)  # inside every row")
+        else:
+            lines.append(f"cmask_{j} = (cols_{j} >= 0) & (cols_{j} < {n})" if shifted
+                         else f"cmask_{j} = cols_{j} < {n}")
+        lines.append(f"mask_{j} = rmask & cmask_{j}")
+    for ph in lk.phases:
+        lines += [ln for st in ph.outer for ln in stmt_lines(st)]
+        for st in ph.body:
+            text = stmt_lines(st)
+            lines += [at(ln, j) for j in range(chunks) for ln in text]
+        for res, kind, acc, src in ph.reductions:
+            lines.append(f"{acc} = tl.where(mask_0, {at(src.name, 0)}, {RED_INIT[kind]})")
+            lines += [f"{acc} = " + _STEP[kind].format(
+                a=acc, v=f"tl.where(mask_{j}, {at(src.name, j)}, {RED_INIT[kind]})")
+                for j in range(1, chunks)]
+            lines.append(f"{res.name} = " + RED_FINAL[kind].format(a=acc))
     return lines
 
 

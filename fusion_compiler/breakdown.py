@@ -34,7 +34,7 @@ from typing import NamedTuple
 # (category, pattern): matched in order against the lowercase demangled kernel name
 RULES = (
     # ours: codegen/render.py names every generated kernel one of these (split stages too)
-    ("fused", r"^_(pointwise|persistent|looped|split\d+)_kernel$"),
+    ("fused", r"^_(pointwise|persistent|resident|looped|split\d+)_kernel$"),
     # Inductor: templates first (max-autotune matmuls, flex attention), then what it fused;
     # its names carry the ATen ops, so `triton_poi_fused__scaled_dot_product_..._attention` is
     # a pointwise kernel, not attention

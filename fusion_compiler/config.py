@@ -28,6 +28,9 @@ class Config:
     strict: bool = False
     # Largest power-of-two row block held in registers; longer rows use the looped kernel.
     max_persistent_block: int = 16384
+    # Longest static row a program holds in registers as chunks (the resident kernel: read
+    # once) where it is longer than max_persistent_block; longer rows loop. 0: they all loop.
+    max_resident_row: int = 53248
     # Most ops one fused group may hold: bounds compile time and register pressure.
     max_group_ops: int = 128
     # Generate kernel sources even where they will not run (CPU without the interpreter), so
@@ -104,7 +107,7 @@ def with_compile_args(config: Config, mode=None, options=None) -> Config:
 
 
 # integer settings are positive, except these, where 0 turns something off
-_ZERO_ALLOWED = {"compile_threads", "compile_workers", "autotune"}
+_ZERO_ALLOWED = {"compile_threads", "compile_workers", "autotune", "max_resident_row"}
 _INT_WORDS = {0: "an integer >= 0", 1: "a positive integer"}
 
 

@@ -33,7 +33,8 @@ def graph_key(gm: torch.fx.GraphModule, ctx) -> str:
     """Hash of everything the fuse pass's result depends on."""
     h = hashlib.sha256(_FINGERPRINT.encode())
     cfg = ctx.config
-    h.update(repr((cfg.max_group_ops, cfg.max_persistent_block, ctx.profile)).encode())
+    h.update(repr((cfg.max_group_ops, cfg.max_persistent_block, cfg.max_resident_row,
+                   ctx.profile)).encode())
     h.update(repr(sorted((str(k), int(v)) for k, v in ctx.size_hints.items())).encode())
     for n in gm.graph.nodes:
         info = n.meta.get("fc_tensor")

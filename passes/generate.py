@@ -13,6 +13,7 @@ import torch
 
 from ..codegen import autotune, compile_pool, precompile
 from ..codegen.kernel_ir import NotFusable, canonical_hints
+from ..codegen import launch as rules
 from ..codegen.launch import LEAN
 from ..codegen.render import generate
 from .cost_model import op_name
@@ -37,10 +38,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         hints = canonical_hints(g.graph_symbols, g.ir, ctx.size_hints)
         title = label(g)
         # everything the source depends on besides the IR goes into the key
-        key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block))
+        key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block),
+                       str(ctx.config.max_resident_row), str(rules.RESIDENT_RBLOCK))
         try:
             module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
-                                                          ctx.config.max_persistent_block))
+                                                          ctx.config.max_persistent_block,
+                                                          ctx.config.max_resident_row))
         except NotFusable as exc:       # this group stays on ATen; the others still fuse
             if ctx.config.strict:
                 raise

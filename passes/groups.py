@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..codegen import launch
 from ..codegen.kernel_ir import CONSTANT_VALUE_ARG
 from ..codegen.lowered import partner_of
 from .classify import GATHERS, OpKind
@@ -180,13 +181,19 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     the variance, the output). A reduction with a partner (``codegen.lowered.partner_of``) is
     taken in its partner's pass: a softmax's sum of exps in its max's (the online softmax), a
     norm's variance in its mean's (Welford's update). A softmax or a LayerNorm reads its rows
-    twice, a cross-entropy (per-row outputs alone) once."""
+    twice, a cross-entropy (per-row outputs alone) once. A static row short enough for the
+    resident kernel is read once, where its rows are too many to split across programs
+    (``launch.split_settings``)."""
     reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
     if not reductions:
         return 1, ()
     src = reductions[0].args[0].meta["fc_tensor"]
     n = hint(src.shape[-1], ctx.size_hints)
     if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
+        return 1, ()
+    if src.shape[-1].is_Integer and launch.resident(
+            n, ctx.config.max_persistent_block, ctx.config.max_resident_row) and \
+            launch.split_settings(max(hint(src.numel, ctx.size_hints) // n, 1), n) is None:
         return 1, ()
     level, graph = {}, _FXGraph(set(group.members))
     for m in sorted(group.members, key=view.order.__getitem__):

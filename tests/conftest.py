@@ -56,10 +56,12 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def small_steps(monkeypatch):
     """Looped row kernels on small rows: rows longer than 16 loop in steps of 16 columns, one
-    program a row (never split: a test that splits takes ``small_chunks``); yields
-    ``monkeypatch`` for further settings."""
+    program a row (never split: a test that splits takes ``small_chunks``; never held in
+    registers: a test of that takes ``small_resident``); yields ``monkeypatch`` for further
+    settings."""
     from fusion_compiler.codegen import launch
     monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "16")
+    monkeypatch.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "0")
     monkeypatch.setattr(launch, "LOOPED_RBLOCK", 16)
     monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 1 << 30)
     launch.row_settings.cache_clear()
@@ -78,3 +80,13 @@ def small_chunks(small_steps):
     small_steps.setattr(launch, "SPLIT_RBLOCK", 16)
     small_steps.setattr(launch, "SPLIT_MIN_CHUNK", 32)
     launch.split_settings.cache_clear()
+
+
+@pytest.fixture
+def small_resident(small_steps):
+    """``small_steps``, and rows of up to 208 elements held in registers by the resident kernel
+    as chunks of 16 columns (13 chunks, as the default's 53248 in chunks of 4096)."""
+    from fusion_compiler.codegen import launch
+    small_steps.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "208")
+    small_steps.setattr(launch, "RESIDENT_RBLOCK", 16)
+    return small_steps

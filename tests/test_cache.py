@@ -414,7 +414,7 @@ def test_key_changes_with_triton_version(cache_dir, device, monkeypatch):
     assert meta["triton"] == triton.__version__
 
 
-def test_key_changes_with_max_persistent_block(cache_dir, device, monkeypatch):
+def test_key_changes_with_max_persistent_block_and_resident_row(cache_dir, device, monkeypatch):
     x = torch.randn(4, 100, device=device)
 
     def softmax(a):
@@ -425,8 +425,15 @@ def test_key_changes_with_max_persistent_block(cache_dir, device, monkeypatch):
     out, reports = compile_and_run(softmax, (x,))
     assert_close(out, softmax(x))
     (small_key,) = kernel_keys(reports)
-    assert "_looped_kernel" in Path(reports[0].kernels[0]["path"]).read_text()
+    assert "_resident_kernel" in Path(reports[0].kernels[0]["path"]).read_text()
     assert small_key != default_key
+    # the longest row held in registers: 0 streams the row (the looped kernel)
+    monkeypatch.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "0")
+    out, reports = compile_and_run(softmax, (x,))
+    assert_close(out, softmax(x))
+    (looped_key,) = kernel_keys(reports)
+    assert "_looped_kernel" in Path(reports[0].kernels[0]["path"]).read_text()
+    assert looped_key not in (small_key, default_key)
 
 
 def test_key_ignores_graph_symbol_names(cache_dir, device, monkeypatch):

@@ -135,7 +135,8 @@ def test_bytes_of_add_rmsnorm_count_the_broadcast_weight_at_its_own_size():
 def test_looped_reduction_counts_each_pass_over_the_row():
     from fusion_compiler.passes.cost_model import kernel_cost
     x = torch.randn(8, 4096)
-    ctx = analyze(lambda t: torch.softmax(t, -1), x, max_persistent_block=1024)
+    ctx = analyze(lambda t: torch.softmax(t, -1), x, max_persistent_block=1024,
+                  max_resident_row=0)
     (g,) = ctx.groups
     rows = {n for n in g.inputs}
     # three passes (a LayerNorm's: the mean, the variance, the outputs): the row is read three
@@ -178,9 +179,23 @@ def test_looped_passes_are_the_kernels(case, passes, monkeypatch):
             torch.exp(t - t.amax(-1, keepdim=True))),
     }
     arg = x.bfloat16() if case == "softmax in bf16 ops" else x
-    ctx = analyze(fns[case], arg, max_persistent_block=1024)
+    ctx = analyze(fns[case], arg, max_persistent_block=1024, max_resident_row=0)
     (g,) = ctx.groups
     assert g.cost.bytes_read == passes * 8 * 4096 * arg.element_size()
+
+
+@pytest.mark.parametrize("rows, passes", [(8, 1), (132, 1), (131, 2)])
+def test_resident_rows_are_read_once(rows, passes, monkeypatch):
+    """A static row the resident kernel holds in registers is read once, where its rows are
+    too many to split (132 on the H200's SMs; fewer: the split stages, two passes); without L2
+    to absorb the looped kernel's second pass. 8 rows of 4096 make no two chunks of
+    launch.SPLIT_MIN_CHUNK: not split either."""
+    monkeypatch.setitem(PROFILES, "h200", dataclasses.replace(H200, l2_bytes=0))
+    n = 4096 if rows == 8 else 16384
+    x = torch.randn(rows, n)
+    ctx = analyze(lambda t: torch.softmax(t, -1), x, max_persistent_block=1024)
+    (g,) = ctx.groups
+    assert g.cost.bytes_read == passes * rows * n * 4
 
 
 def test_unprofitable_merge_is_refused_for_that_reason():
@@ -188,7 +203,7 @@ def test_unprofitable_merge_is_refused_for_that_reason():
     would read those twice (8 tensors) instead of writing and reading one tensor (4 + 1 + 2)."""
     a, b, c, d = (torch.randn(4096, 4096) for _ in range(4))
     ctx = analyze(lambda a, b, c, d: F.layer_norm(a * b + c * d, (4096,)), a, b, c, d,
-                  max_persistent_block=1024)
+                  max_persistent_block=1024, max_resident_row=0)
     groups = sorted(ops_of(g) for g in ctx.groups)
     assert ["add", "mul", "mul"] in groups, groups     # the producer stays its own kernel
     refused = [d for d in ctx.decisions if not d["taken"] and d["reason"].startswith("unprofitable")]

@@ -43,10 +43,14 @@ def _specialization(call):
                                        for a in args), tuple(sorted(kwargs.items(), key=str)))
 
 
+@pytest.mark.parametrize("rows", ["looped", "resident"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_predicted_launches_are_the_real_ones(dtype, monkeypatch, device):
-    # a small persistent block so the softmax over 300 columns takes the looped kernel
+def test_predicted_launches_are_the_real_ones(dtype, rows, monkeypatch, device):
+    # a small persistent block so the softmax over 300 columns takes the looped kernel, or
+    # the resident one
     monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "128")
+    if rows == "looped":
+        monkeypatch.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "0")
     compared = {}
 
     def spy(ctx):
@@ -74,10 +78,10 @@ def test_predicted_launches_are_the_real_ones(dtype, monkeypatch, device):
     for gid, (predicted, real) in compared.items():
         assert predicted == real, f"group {gid}"
         kinds.update(name for name, *_ in real)
-    assert {"_persistent_kernel", "_looped_kernel", "_multipart_kernel"} <= kinds, kinds
+    assert {"_persistent_kernel", f"_{rows}_kernel", "_multipart_kernel"} <= kinds, kinds
     # the unaligned view was predicted unaligned (a pointer specialized without 'D')
     unaligned = [s for p, _ in compared.values() for name, _, specs, _ in p
-                 if name == "_looped_kernel" for s in specs if s[0].startswith("*")]
+                 if name == f"_{rows}_kernel" for s in specs if s[0].startswith("*")]
     assert unaligned and unaligned[0][1] == "", unaligned
 
 

@@ -140,9 +140,11 @@ def test_unaligned_rows_stream_in_vectors(cache_dir, tmp_path, device, monkeypat
     the looped kernel steps from each row's 16 bytes, so the steps inside the row load and
     store 16 bytes at a time (without the shift every load and store took 2 bytes: softmax
     over 4096 such rows ran at 38% of the HBM floor on the H200). Here three rows of 4097
-    loop (steps of 2048 columns), one program a row (never split)."""
+    loop (steps of 2048 columns), one program a row (never split, never held: the resident
+    kernel's test follows)."""
     from fusion_compiler.codegen import launch
     monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "2048")
+    monkeypatch.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "0")
     monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 1 << 30)
     launch.split_settings.cache_clear()
     x = torch.randn(3, 4097, dtype=torch.bfloat16, device=device)
@@ -154,3 +156,44 @@ def test_unaligned_rows_stream_in_vectors(cache_dir, tmp_path, device, monkeypat
     assert re.findall(r"\.entry (\w+)", ptx) == ["_looped_kernel"]
     assert "ld.global.v4.b32" in ptx
     assert "st.global.v4.b32" in ptx
+
+
+def ptxas_report(ptx: str, tmp_path) -> str:
+    """ptxas -v's report of ``ptx`` compiled for sm_90a (the target Triton writes for the
+    H200): registers and spills per kernel."""
+    import triton
+    tool = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "ptxas", None)
+    if tool is None or not getattr(tool, "path", None):
+        pytest.skip("this Triton names no ptxas")
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run([tool.path, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stderr
+
+
+def test_rows_held_in_registers_load_in_vectors_without_spills(cache_dir, tmp_path, device,
+                                                               monkeypatch):
+    """Rows of GPT-2's vocabulary (50257 bf16 elements, on 2 bytes) held by the resident
+    kernel: 13 chunks of 4096 on 32 warps, from each row's 16 bytes. The 11 chunks inside the
+    row load and store 4 elements a thread (8-byte vectors), unpredicated; ptxas keeps the
+    row in 64 registers a thread and spills 8 bytes: each access's address is the row's
+    pointer plus the chunk's columns (written as one offset, the 13 chunks' per-element
+    offsets were shared by the loads and the stores, and kept live between them: 65 spill
+    instructions in the SASS, against 4)."""
+    from fusion_compiler.codegen import launch
+    monkeypatch.setattr(launch, "SPLIT_MIN_CHUNK", 1 << 30)     # two rows: never split
+    launch.split_settings.cache_clear()
+    x = torch.randn(2, 50257, dtype=torch.bfloat16, device=device)
+    try:
+        specs = launches(lambda x: torch.softmax(x, -1), (x,), monkeypatch)
+    finally:
+        launch.split_settings.cache_clear()
+    ptx = "\n".join(ptx_of([spec], tmp_path) for spec in specs)
+    assert re.findall(r"\.entry (\w+)", ptx) == ["_resident_kernel"]
+    assert len(re.findall(r"ld\.global\.v2\.b32 ", ptx)) >= 11
+    assert len(re.findall(r"st\.global\.v2\.b32 ", ptx)) >= 11
+    report = ptxas_report(ptx, tmp_path)
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) <= 16, report
