@@ -4,7 +4,7 @@ programs turned off (one program a row, the looped kernel) and with no row held 
 input, write the output; cross-entropy: read the logits), bf16, do_bench medians (least of two turns).
 
     python benchmarks/long_rows.py [--out results.json] [--only NAME...] [--profile]
-                                   [--variants PER_SM[:RBLOCK:WARPS]...]
+                                   [--variants PER_SM[:RBLOCK:WARPS]...] [--force-resident]
 
 ``--variants``: also fusion with the split rule aiming at PER_SM programs per SM (with loop
 steps of RBLOCK columns on WARPS warps). ``--profile``: for
@@ -16,7 +16,8 @@ rows of 65536 to 1048576 elements) and UNet (32 rows of 40960 and 20480), and th
 batch 8 (256 rows); softmax over a vocabulary (GPT-2's 50257, Llama 3's 128256) for 1 and 8
 rows, as a sampler takes it; and many rows of an odd vocabulary (GPT-2's 50257, BERT's 30522),
 whose rows are not 16-byte aligned: softmax, log_softmax, and cross-entropy over fp32 logits;
-and LayerNorm over rows of 32768.
+and LayerNorm over rows of 32768; RMSNorm, add+RMSNorm and add+LayerNorm over rows of about
+50000 (the resident kernel's register estimate: held, held, not held).
 """
 import argparse
 import contextlib
@@ -55,8 +56,31 @@ def layer_norm(x, w, b):
     return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
 
 
+def rms_norm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+def add_rms_norm(x, r, w):
+    h = x + r
+    return rms_norm(h, w), h
+
+
+def add_layer_norm(x, r, w, b):
+    h = x + r
+    return F.layer_norm(h, (h.shape[-1],), w, b, eps=1e-5), h
+
+
 def cross_entropy(x, t):
     return F.cross_entropy(x.float(), t)
+
+
+def _norm(fn, shape, vectors, residual=False):
+    """A norm over rows of ``shape`` with ``vectors`` weights (and a residual add)."""
+    def make():
+        rows = [torch.randn(shape, device="cuda", dtype=bf) for _ in range(1 + residual)]
+        return (*rows, *(torch.randn(shape[1], device="cuda", dtype=bf) for _ in range(vectors)))
+    return fn, make, shape, (4 + 4 * residual) * shape[0] * shape[1]
 
 
 # each case: (function, its inputs, its rows (R, N), the bytes that must move)
@@ -102,15 +126,21 @@ CASES = {
         torch.randn(2048, 32768, device="cuda", dtype=bf),
         torch.randn(32768, device="cuda", dtype=bf), torch.randn(32768, device="cuda", dtype=bf)),
         (2048, 32768), 2 * 2 * 2048 * 32768),
+    # rows a resident kernel holds (or not: add+LayerNorm's values exceed its registers)
+    "rms_norm_1024x50257": _norm(rms_norm, (1024, 50257), 1),
+    "add_rms_norm_1024x50000": _norm(add_rms_norm, (1024, 50000), 1, True),
+    "add_layer_norm_1024x50000": _norm(add_layer_norm, (1024, 50000), 2, True),
 }
 
 
 class _Split:
     """The split rule's settings while timing: ``per_sm`` programs per SM (0: one program a
-    row), and where given the loop's step and the warps."""
+    row), and where given the loop's step and the warps; or ``values``, launch's settings."""
 
-    def __init__(self, per_sm, rblock=None, warps=None):
-        self.values = {"SPLIT_PROGRAMS_PER_SM": per_sm}
+    def __init__(self, per_sm=None, rblock=None, warps=None, values=None):
+        self.values = dict(values or {})
+        if per_sm is not None:
+            self.values["SPLIT_PROGRAMS_PER_SM"] = per_sm
         if rblock:
             self.values["SPLIT_RBLOCK"] = rblock
         if warps:
@@ -166,6 +196,9 @@ def main():
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--variants", nargs="*", default=[],
                     help="also time fusion with these split settings, each PER_SM[:RBLOCK:WARPS]")
+    ap.add_argument("--force-resident", action="store_true",
+                    help="also time fusion with the resident kernel wherever a row fits its "
+                         "length, its registers' estimate aside (fusion_forced)")
     ap.add_argument("--profile", action="store_true",
                     help="host time a call and one call's kernels of each fusion variant")
     a = ap.parse_args()
@@ -185,6 +218,9 @@ def main():
         fns = {"eager": fn, "inductor": torch.compile(fn), "fusion": fused,
                "fusion_nosplit": fused, "fusion_looped": looped}
         settings = {"fusion_nosplit": _Split(0)}
+        if a.force_resident:    # held whatever its registers (compiled on its first call)
+            fns["fusion_forced"] = torch.compile(lambda *xs: fn(*xs), backend="fusion")
+            settings["fusion_forced"] = _Split(values={"RESIDENT_VALUES": 1000})
         for v in a.variants:
             fns[f"fusion_{v}"] = fused
             settings[f"fusion_{v}"] = _Split(*map(int, v.split(":")))

@@ -101,6 +101,11 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
 # (372 us at 50257), chunks of 2048 or 16 warps were slower (292, 302)
 RESIDENT_RBLOCK = 4096
 RESIDENT_WARPS = 32
+# most chunks x fp32 values an element keeps (render._held_values). 64 registers a thread on
+# 32 warps, spill instructions in the SASS (sm_90, CPU, scratch/regs.py): softmax over 50257
+# (13 x 1) 4, RMSNorm over 50257 (13 x 1) 6, add+RMSNorm over 50000 (13 x 1.5) 4, LayerNorm over
+# 32768 (8 x 1.5) 0, add+LayerNorm over 50000 (13 x 2) 184: the looped kernel there
+RESIDENT_VALUES = 20
 
 
 def resident(n: int, max_persistent_block: int, max_resident_row: int) -> bool:
@@ -108,6 +113,11 @@ def resident(n: int, max_persistent_block: int, max_resident_row: int) -> bool:
     persistent program's block, at most ``max_resident_row`` with the up to 7 columns read
     before it (a row read from its 16 bytes)."""
     return _next_pow2(n) > max_persistent_block and n + 7 <= max_resident_row
+
+
+def resident_fits(chunks: int, values: float) -> bool:
+    """Whether ``chunks`` chunks of ``values`` fp32 values an element fit the registers."""
+    return chunks * values <= RESIDENT_VALUES
 
 
 def resident_chunks(n: int, pad: int = 0) -> int:

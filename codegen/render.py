@@ -58,10 +58,15 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
         if not fits:
             lk = Lowering(ir, hints, False).run()
+            resident = None
             if n.is_Integer and rules.resident(int(n), max_persistent_block, max_resident_row):
                 # the persistent lowering: the row's values live in registers, each computed once
-                kernels.append(("resident", _render_kernel(Lowering(ir, hints, True).run(),
-                                                           "_resident_kernel")))
+                try:
+                    resident = _render_kernel(Lowering(ir, hints, True).run(), "_resident_kernel")
+                except _NotHeld:
+                    pass
+            if resident is not None:
+                kernels.append(("resident", resident))
             else:
                 kernels.append(("looped", _render_kernel(lk, "_looped_kernel")))
             # the same rows split across programs, one kernel per phase (few long rows)
@@ -493,6 +498,10 @@ def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
     return lines
 
 
+class _NotHeld(Exception):
+    """The row's values would not fit a resident kernel's registers (launch.RESIDENT_VALUES)."""
+
+
 def _resident_phases(lk, stmt_lines, n, pad, shifted):
     """A resident kernel's phases: the persistent lowering's, its row held in registers as
     ``launch.resident_chunks`` static chunks of RBLOCK columns, every column statement written
@@ -503,6 +512,8 @@ def _resident_phases(lk, stmt_lines, n, pad, shifted):
     and stores are unpredicated 16-byte vectors. ``shifted``: the chunks step from the row's
     first element rounded down to 16 bytes (``rowa``, ``pad`` columns before it at most)."""
     chunks = rules.resident_chunks(n, pad)
+    if not rules.resident_fits(chunks, _held_values(lk)):
+        raise _NotHeld
     names = sorted({st[1].name for ph in lk.phases for st in ph.body
                     if st[0] in ("load", "assign", "select")}
                    | {"cols", "vcols", "cmask", "mask"}, key=len, reverse=True)
@@ -522,11 +533,29 @@ def _resident_phases(lk, stmt_lines, n, pad, shifted):
             lines.append(f"cmask_{j} = (cols_{j} >= 0) & (cols_{j} < {n})" if shifted
                          else f"cmask_{j} = cols_{j} < {n}")
         lines.append(f"mask_{j} = rmask & cmask_{j}")
+    # a store goes out where its value is made, not where the lowering put it (after the
+    # reductions): the value is not kept in registers across them
+    made = {}
+    for ph in lk.phases:
+        for st in ph.body:
+            if st[0] in ("load", "assign", "select"):
+                made[st[1].name] = id(st)
+    after = {}
+    for ph in lk.phases:
+        for st in ph.body:
+            if st[0] == "store":
+                src = [made[name] for name in _TOKEN.findall(st[2].name) if name in made]
+                if src:
+                    after.setdefault(src[-1], []).append(st)
+    moved = {id(st) for sts in after.values() for st in sts}
     for ph in lk.phases:
         lines += [ln for st in ph.outer for ln in stmt_lines(st)]
         for st in ph.body:
-            text = stmt_lines(st)
-            lines += [at(ln, j) for j in range(chunks) for ln in text]
+            if id(st) in moved:
+                continue
+            for one in [st] + after.get(id(st), []):
+                text = stmt_lines(one)
+                lines += [at(ln, j) for j in range(chunks) for ln in text]
         for res, kind, acc, src in ph.reductions:
             lines.append(f"{acc} = tl.where(mask_0, {at(src.name, 0)}, {RED_INIT[kind]})")
             lines += [f"{acc} = " + _STEP[kind].format(
@@ -534,6 +563,47 @@ def _resident_phases(lk, stmt_lines, n, pad, shifted):
                 for j in range(1, chunks)]
             lines.append(f"{res.name} = " + RED_FINAL[kind].format(a=acc))
     return lines
+
+
+_TOKEN = re.compile(r"[A-Za-z_]\w*")
+
+
+def _uses(stmt) -> set:
+    """Names a lowered statement reads (its text's identifiers; loads and asserts: none that
+    matter here, their offsets and tests being indices)."""
+    kind = stmt[0]
+    if kind == "assign":
+        return set(_TOKEN.findall(stmt[2]))
+    if kind == "select":
+        return {v.name for _, v in stmt[2]}
+    if kind == "store":
+        return set(_TOKEN.findall(stmt[2].name))
+    return set()
+
+
+def _held_values(lk) -> float:
+    """fp32 values an element of a resident kernel's row keeps in registers at its peak, as
+    estimated: its column loads together (a bf16 element is half a register; the row's are all
+    issued before the first reduction, and ptxas hoists a weight's), or the column values
+    defined before a reduction and read after it (stores excepted: _resident_phases writes
+    them where their value is made), if more. Times the chunks, the registers a thread's 4
+    elements a chunk take, over 4 (launch.RESIDENT_VALUES)."""
+    loads = sum(lk.ir.inputs[st[2]].dtype.itemsize / 4 for ph in lk.phases for st in ph.body
+                if st[0] == "load")
+    defined, last = {}, {}
+    for i, ph in enumerate(lk.phases):
+        for st in ph.body:
+            if st[0] != "store":
+                for name in _uses(st):
+                    last[name] = i
+            if st[0] in ("load", "assign", "select"):
+                defined[st[1].name] = i
+        for _, _, _, src in ph.reductions:
+            for name in _TOKEN.findall(src.name):
+                last[name] = max(last.get(name, i), i)
+    live = max((sum(1 for name, i in defined.items() if i <= b < last.get(name, -1))
+                for b in range(len(lk.phases))), default=0)
+    return max(loads, live, 1)
 
 
 def _row_shift(lk, idx):

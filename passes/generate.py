@@ -39,7 +39,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         title = label(g)
         # everything the source depends on besides the IR goes into the key
         key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block),
-                       str(ctx.config.max_resident_row), str(rules.RESIDENT_RBLOCK))
+                       str(ctx.config.max_resident_row), str(rules.RESIDENT_RBLOCK),
+                       str(rules.RESIDENT_VALUES))
         try:
             module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
                                                           ctx.config.max_persistent_block,

@@ -191,9 +191,7 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     n = hint(src.shape[-1], ctx.size_hints)
     if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
         return 1, ()
-    if src.shape[-1].is_Integer and launch.resident(
-            n, ctx.config.max_persistent_block, ctx.config.max_resident_row) and \
-            launch.split_settings(max(hint(src.numel, ctx.size_hints) // n, 1), n) is None:
+    if src.shape[-1].is_Integer and _resident(group, src, n, ctx):
         return 1, ()
     level, graph = {}, _FXGraph(set(group.members))
     for m in sorted(group.members, key=view.order.__getitem__):
@@ -209,6 +207,23 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     passes = max(level[r] for r in reductions) + (1 if per_element else 0)
     row_inputs = {i for i in group.inputs if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel}
     return passes, row_inputs
+
+
+def _resident(group: FusionGroup, src, n: int, ctx) -> bool:
+    """Whether the resident kernel holds the group's rows (of a static ``n``): rows too many to
+    split (``launch.split_settings``) and values that fit its registers, as its code generator
+    estimates them from its column loads (``render._held_values``): here its inputs of ``n``
+    elements or more, from the row's 16 bytes where the row is not on them."""
+    cfg = ctx.config
+    if not launch.resident(n, cfg.max_persistent_block, cfg.max_resident_row):
+        return False
+    if launch.split_settings(max(hint(src.numel, ctx.size_hints) // n, 1), n) is not None:
+        return False
+    sizes = [i.meta["fc_tensor"].dtype.itemsize for i in group.inputs
+             if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= n]
+    width = min(sizes, default=src.dtype.itemsize)
+    pad = 16 // width - 1 if n * width % 16 else 0
+    return launch.resident_fits(launch.resident_chunks(n, pad), max(sum(sizes) / 4, 1))
 
 
 class _FXGraph:

@@ -106,9 +106,10 @@ def assert_ran(counts, kind="resident"):
     assert counts[kind] >= 1 and all(counts[k] == 0 for k in KINDS if k != kind), counts
 
 
-# 17: two chunks; 48, 96: aligned in every dtype (no mask inside the row); 41, 100, 201:
-# unaligned (bf16/fp16 rows of 201 with 7 columns before them: the 13 chunks of the limit)
-@pytest.mark.parametrize("n", [17, 41, 48, 96, 100, 201])
+# 17: two chunks; 48, 96: aligned in every dtype (no mask inside the row); 41, 100:
+# unaligned (100 fp32 elements: 7 chunks of 3 values, a LayerNorm's row, weight and bias, past
+# the estimate's 20: looped, below)
+@pytest.mark.parametrize("n", [17, 41, 48, 96])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", list(OPS))
 def test_rows_held_in_registers(op, dtype, n, small_resident, device):
@@ -122,6 +123,24 @@ def test_rows_held_in_registers(op, dtype, n, small_resident, device):
     # a weight read by column takes no shift (render._row_shift)
     shifted = n * dtype.itemsize % 16 != 0 and op not in ("layer_norm", "rms_norm")
     assert ("rowa = (rstart // " in src) == shifted
+    assert_outputs_close(out, fn(x))
+
+
+@pytest.mark.parametrize("n", [100, 201])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(OPS))
+def test_long_rows_held_where_their_values_fit(op, dtype, n, small_resident, device):
+    """The registers' estimate (render._held_values, at most launch.RESIDENT_VALUES = 20
+    chunks x fp32 values an element): a softmax keeps one value an element (13 chunks x 1 at
+    201), a bf16 LayerNorm 1.5 (its row, weight and bias, each half a register: 19.5), an
+    fp32 one 3 (7 chunks at 100: 21), an fp32 RMSNorm 2 (26 at 201): these two loop."""
+    x = randn((9, n), dtype, device)
+    fn = OPS[op]
+    out, reports, ran = run(fn, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    loops = dtype == torch.float32 and op in ("layer_norm", "rms_norm") and \
+        not (op == "rms_norm" and n == 100)
+    assert_ran(ran, "looped" if loops else "resident")
     assert_outputs_close(out, fn(x))
 
 
@@ -149,9 +168,9 @@ def test_dynamic_row_length_loops(small_resident, device):
 def test_nan_and_inf_rows(small_resident, device):
     """A NaN makes its row NaN, an infinity its max and mean that infinity (as ``x.mean``;
     eager's var_mean gives NaN there on the CPU, its Welford update), wherever it lies."""
-    x = randn((6, 100), torch.float32, device)
+    x = randn((6, 96), torch.float32, device)
     x[1, 7] = float("nan")          # in the first chunk
-    x[2, 99] = float("inf")         # in the last
+    x[2, 95] = float("inf")         # in the last
     x[3, 50] = float("-inf")
     x[4, :] = float("-inf")         # every element: eager's softmax is NaN
     x[5, 30] = float("inf")
@@ -167,19 +186,19 @@ def test_nan_and_inf_rows(small_resident, device):
 
 def test_layer_norm_training(small_resident, device):
     """The backward's per-row sums over the same rows are held too; gradients match."""
-    x = randn((7, 120), torch.float32, device).requires_grad_()
-    w = torch.linspace(0.5, 1.5, 120, device=device).requires_grad_()
-    b = torch.linspace(-1, 1, 120, device=device).requires_grad_()
-    g = torch.randn(7, 120, device=device)
+    x = randn((7, 80), torch.float32, device).requires_grad_()
+    w = torch.linspace(0.5, 1.5, 80, device=device).requires_grad_()
+    b = torch.linspace(-1, 1, 80, device=device).requires_grad_()
+    g = torch.randn(7, 80, device=device)
 
     def f(x, w, b, g):
-        out = F.layer_norm(x, (120,), w, b, 1e-5)
+        out = F.layer_norm(x, (80,), w, b, 1e-5)
         return (out,) + torch.autograd.grad(out, (x, w, b), g)
     x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
     expected = f(x2, w2, b2, g)
     torch._dynamo.reset()
     with fusion_compiler.capture_compiles() as reports:
-        out = torch.compile(lambda x, w, b: F.layer_norm(x, (120,), w, b, 1e-5),
+        out = torch.compile(lambda x, w, b: F.layer_norm(x, (80,), w, b, 1e-5),
                             backend="fusion")(x, w, b)
         grads = torch.autograd.grad(out, (x, w, b), g)
     for kind in ("forward", "backward"):
