@@ -158,6 +158,12 @@ class _Split:
         launch.split_settings.cache_clear()
 
 
+def max_error(out, expected) -> float:
+    """The largest difference between ``out`` and ``expected``, a tensor or a tuple of them."""
+    pairs = zip(out, expected) if isinstance(expected, tuple) else [(out, expected)]
+    return max((a.float() - e.float()).abs().max().item() for a, e in pairs)
+
+
 def profile_call(f, args, calls: int = 5) -> dict:
     """Host time a call (200 calls back to back), and the kernels of a call after an L2 flush:
     each kernel's median time over ``calls`` profiled calls, and their sum."""
@@ -224,11 +230,11 @@ def main():
         for v in a.variants:
             fns[f"fusion_{v}"] = fused
             settings[f"fusion_{v}"] = _Split(*map(int, v.split(":")))
-        expected = fn(*args).float()
+        expected = fn(*args)
         row = {"floor_ms": floor, "rows_n": rows, "split": launch.split_settings(*rows)}
         for name, f in fns.items():
             with settings.get(name, contextlib.nullcontext()):
-                row[f"{name}_max_err"] = (f(*args).float() - expected).abs().max().item()
+                row[f"{name}_max_err"] = max_error(f(*args), expected)
         for r in range(2):
             for name, f in in_turn(fns.items(), r):
                 with settings.get(name, contextlib.nullcontext()):

@@ -7,6 +7,7 @@ the kernel count, that the resident kernel ran (not the looped or split ones), a
 against eager in each dtype, on aligned rows (every chunk inside the row), unaligned rows
 (chunks from the row's 16 bytes, at every shift), rows at the limit and past it, NaN and
 +-inf, training, and few rows (split) beside many (resident)."""
+import re
 import sys
 
 import pytest
@@ -222,3 +223,20 @@ def test_few_rows_split_many_held(rows, kind, small_resident, device):
     assert kernel_count(reports) == 1
     assert_ran(ran, kind)
     assert_outputs_close(out, softmax(x))
+
+
+def test_rows_change_between_calls(small_resident, device):
+    """Rows known only at run time (the row length static): one resident kernel serves every
+    row count, a program a row."""
+    torch._dynamo.reset()
+    compiled = torch.compile(softmax, backend="fusion", fullgraph=True)
+    for rows in (5, 11, 3):
+        x = randn((rows, 100), torch.bfloat16, device)
+        torch._dynamo.mark_dynamic(x, 0)
+        with fusion_compiler.capture_compiles() as reports:
+            out = compiled(x)
+        if rows == 5:
+            text = source(reports)
+            assert "def _resident_kernel" in text and "def _looped_kernel" not in text
+            assert re.findall(r"^    [RN] = .*$", text, re.M) == ["    R = k0", "    N = 100"]
+        assert_close(out, softmax(x), name=f"{rows} rows")
