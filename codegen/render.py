@@ -505,8 +505,11 @@ class _NotHeld(Exception):
 def _resident_phases(lk, stmt_lines, n, pad, shifted):
     """A resident kernel's phases: the persistent lowering's, its row held in registers as
     ``launch.resident_chunks`` static chunks of RBLOCK columns, every column statement written
-    once a chunk (its values named ``_j`` for chunk j), each statement for all chunks before
-    the next, so all the row's loads go out before its first reduction. A reduction combines
+    once a chunk (its values named ``_j`` for chunk j): in the first phase each statement for
+    all chunks before the next, so all the row's loads go out before its first reduction; in
+    the later phases a chunk's statements before the next chunk's, so a chunk's values die
+    before the next chunk's are made (a LayerNorm's weight and bias loaded for all 13 chunks
+    beside its normalised row spilled 184 instructions, none this way). A reduction combines
     its chunks element by element, then reduces once (one cross-warp exchange, not one a
     chunk). A chunk wholly inside every row has a constant mask, which Triton drops: its loads
     and stores are unpredicated 16-byte vectors. ``shifted``: the chunks step from the row's
@@ -548,14 +551,14 @@ def _resident_phases(lk, stmt_lines, n, pad, shifted):
                 if src:
                     after.setdefault(src[-1], []).append(st)
     moved = {id(st) for sts in after.values() for st in sts}
-    for ph in lk.phases:
+    for i, ph in enumerate(lk.phases):
         lines += [ln for st in ph.outer for ln in stmt_lines(st)]
-        for st in ph.body:
-            if id(st) in moved:
-                continue
-            for one in [st] + after.get(id(st), []):
-                text = stmt_lines(one)
-                lines += [at(ln, j) for j in range(chunks) for ln in text]
+        texts = [stmt_lines(one) for st in ph.body if id(st) not in moved
+                 for one in [st] + after.get(id(st), [])]
+        if i == 0:      # the row's loads: all of them out before the first reduction
+            lines += [at(ln, j) for text in texts for j in range(chunks) for ln in text]
+        else:           # a chunk at a time: its values die before the next chunk's are made
+            lines += [at(ln, j) for j in range(chunks) for text in texts for ln in text]
         for res, kind, acc, src in ph.reductions:
             lines.append(f"{acc} = tl.where(mask_0, {at(src.name, 0)}, {RED_INIT[kind]})")
             lines += [f"{acc} = " + _STEP[kind].format(
@@ -583,12 +586,12 @@ def _uses(stmt) -> set:
 
 def _held_values(lk) -> float:
     """fp32 values an element of a resident kernel's row keeps in registers at its peak, as
-    estimated: its column loads together (a bf16 element is half a register; the row's are all
-    issued before the first reduction, and ptxas hoists a weight's), or the column values
-    defined before a reduction and read after it (stores excepted: _resident_phases writes
-    them where their value is made), if more. Times the chunks, the registers a thread's 4
-    elements a chunk take, over 4 (launch.RESIDENT_VALUES)."""
-    loads = sum(lk.ir.inputs[st[2]].dtype.itemsize / 4 for ph in lk.phases for st in ph.body
+    estimated: its first phase's column loads together (a bf16 element is half a register; all
+    issued before the first reduction; a later phase's, a weight's, are a chunk's at a time),
+    or the column values defined before a reduction and read after it (stores excepted:
+    _resident_phases writes them where their value is made), if more. Times the chunks, the
+    registers a thread's 4 elements a chunk take, over 4 (launch.RESIDENT_VALUES)."""
+    loads = sum(lk.ir.inputs[st[2]].dtype.itemsize / 4 for st in lk.phases[0].body
                 if st[0] == "load")
     defined, last = {}, {}
     for i, ph in enumerate(lk.phases):

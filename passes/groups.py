@@ -212,15 +212,16 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
 def _resident(group: FusionGroup, src, n: int, ctx) -> bool:
     """Whether the resident kernel holds the group's rows (of a static ``n``): rows too many to
     split (``launch.split_settings``) and values that fit its registers, as its code generator
-    estimates them from its column loads (``render._held_values``): here its inputs of ``n``
-    elements or more, from the row's 16 bytes where the row is not on them."""
+    estimates them from its row loads (``render._held_values``): here its inputs of more than
+    ``n`` elements (a weight of ``n`` is loaded a chunk at a time), from the row's 16 bytes
+    where the row is not on them."""
     cfg = ctx.config
     if not launch.resident(n, cfg.max_persistent_block, cfg.max_resident_row):
         return False
     if launch.split_settings(max(hint(src.numel, ctx.size_hints) // n, 1), n) is not None:
         return False
     sizes = [i.meta["fc_tensor"].dtype.itemsize for i in group.inputs
-             if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= n]
+             if hint(i.meta["fc_tensor"].numel, ctx.size_hints) > n]
     width = min(sizes, default=src.dtype.itemsize)
     pad = 16 // width - 1 if n * width % 16 else 0
     return launch.resident_fits(launch.resident_chunks(n, pad), max(sum(sizes) / 4, 1))
