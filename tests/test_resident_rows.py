@@ -240,3 +240,25 @@ def test_rows_change_between_calls(small_resident, device):
             assert "def _resident_kernel" in text and "def _looped_kernel" not in text
             assert re.findall(r"^    [RN] = .*$", text, re.M) == ["    R = k0", "    N = 100"]
         assert_close(out, softmax(x), name=f"{rows} rows")
+
+
+def test_statement_order(small_resident, device):
+    """The first phase statement by statement (every chunk's row load before the first
+    reduction), the later ones chunk by chunk with their weight loads a chunk ahead; the
+    residual's store where its value is made (before the reductions)."""
+    x, r = randn((9, 96), torch.bfloat16, device), randn((9, 96), torch.bfloat16, device)
+    out, reports, ran = run(add_layer_norm, (x, r))
+    assert_ran(ran)
+    text = source(reports)
+    body = text[text.index("def _resident_kernel"):text.index("def _split0_kernel")]
+    lines = [ln.strip() for ln in body.splitlines()]
+
+    def first(pattern):
+        return next(i for i, ln in enumerate(lines) if re.search(pattern, ln))
+    reduce = first(r"= tl\.sum\(")
+    assert first(r"_5 = tl\.load\(\(in0 ") < reduce and first(r"_5 = tl\.load\(\(in1 ") < reduce
+    assert first(r"tl\.store\(\(out0 .* cols_5,") < reduce       # h = x + r
+    weight_1 = first(r"_1 = tl\.load\(\(in2 \+ 0\) \+ cols_1,")
+    assert first(r"_0 = tl\.load\(\(in2 \+ 0\) \+ cols_0,") < weight_1 \
+        < first(r"tl\.store\(\(out1 .* cols_0,") < first(r"_2 = tl\.load\(\(in2 \+ 0\) \+ cols_2,")
+    assert_outputs_close(out, add_layer_norm(x, r))
