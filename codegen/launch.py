@@ -95,19 +95,19 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
 # a row longer than a persistent program's block, short enough to stay in registers, is held
 # by one program as static chunks of RESIDENT_RBLOCK columns on RESIDENT_WARPS warps (the
 # resident kernel, codegen/render.py): read once, where a looped kernel reads it once a pass.
-# H200, one program a row, kernel time after an L2 flush (scratch/reg_rows.py), us: softmax
-# 4096 x 50257 273 (13 chunks of 4096 on 32 warps; eager 361, the looped kernel 410, Inductor
-# 561), 8192 x 30522 383 (looped 463), 2048 x 32768 93 (looped 98); chunks of 8192 spilled
-# (372 us at 50257), chunks of 2048 or 16 warps were slower (292, 302)
+# H200, one program a row, kernel time after an L2 flush (benchmarks/resident_variants.py),
+# us: softmax 4096 x 50257 273 (13 chunks of 4096 on 32 warps; eager 361, the looped kernel
+# 410, Inductor 561), 8192 x 30522 383 (looped 463), 2048 x 32768 93 (looped 98); chunks of
+# 8192 spilled (372 us at 50257), chunks of 2048 or 16 warps were slower (292, 302)
 RESIDENT_RBLOCK = 4096
 RESIDENT_WARPS = 32
 # most chunks x fp32 values an element keeps (render._held_values). 64 registers a thread on
-# 32 warps, spill instructions in the SASS (sm_90, CPU, scratch/regs.py): bf16 rows of about
-# 50000, 13 chunks: softmax (x 1) 4, RMSNorm and add+RMSNorm (x 1) 0, add+LayerNorm (x 1) 17,
-# x + r + s then RMSNorm (x 1.5) 1; fp32 add+LayerNorm over 40000 (10 x 2) 2, over 50000
-# (13 x 2, looped) 15. On the H200 the add+LayerNorm's 17 cost nothing visible: 123 us held
-# against 165 looped (Inductor 153); written before the later phases took a chunk at a time,
-# its weight and bias held for every chunk, it spilled 184 and took 221 us
+# 32 warps, spill instructions in the SASS (sm_90, CPU, benchmarks/resident_registers.py):
+# bf16 rows of about 50000, 13 chunks: softmax (x 1) 4, RMSNorm and add+RMSNorm (x 1) 0,
+# add+LayerNorm (x 1) 17, x + r + s then RMSNorm (x 1.5) 1; fp32 add+LayerNorm over 40000
+# (10 x 2) 2. On the H200 the add+LayerNorm's 17 cost nothing visible: 123 us held against
+# 165 looped (Inductor 153); written before the later phases took a chunk at a time, its
+# weight and bias held for every chunk, it spilled 184 and took 221 us
 RESIDENT_VALUES = 20
 
 
