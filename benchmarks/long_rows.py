@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import bench, copy_bandwidth  # noqa: E402
 
 from fusion_compiler.bench import in_turn  # noqa: E402
+from fusion_compiler.patterns import add_layernorm, add_rmsnorm, rmsnorm  # noqa: E402
 from fusion_compiler.codegen import launch  # noqa: E402
 
 bf = torch.bfloat16
@@ -54,21 +55,6 @@ def log_softmax(x):
 
 def layer_norm(x, w, b):
     return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
-
-
-def rms_norm(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
-
-
-def add_rms_norm(x, r, w):
-    h = x + r
-    return rms_norm(h, w), h
-
-
-def add_layer_norm(x, r, w, b):
-    h = x + r
-    return F.layer_norm(h, (h.shape[-1],), w, b, eps=1e-5), h
 
 
 def cross_entropy(x, t):
@@ -127,9 +113,9 @@ CASES = {
         torch.randn(32768, device="cuda", dtype=bf), torch.randn(32768, device="cuda", dtype=bf)),
         (2048, 32768), 2 * 2 * 2048 * 32768),
     # rows a resident kernel holds (or not: add+LayerNorm's values exceed its registers)
-    "rms_norm_1024x50257": _norm(rms_norm, (1024, 50257), 1),
-    "add_rms_norm_1024x50000": _norm(add_rms_norm, (1024, 50000), 1, True),
-    "add_layer_norm_1024x50000": _norm(add_layer_norm, (1024, 50000), 2, True),
+    "rms_norm_1024x50257": _norm(rmsnorm, (1024, 50257), 1),
+    "add_rms_norm_1024x50000": _norm(add_rmsnorm, (1024, 50000), 1, True),
+    "add_layer_norm_1024x50000": _norm(add_layernorm, (1024, 50000), 2, True),
 }
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fusion_compiler.patterns import add_layernorm, add_rmsnorm, rmsnorm
+
 bf, f32 = torch.bfloat16, torch.float32
 
 
@@ -37,34 +39,19 @@ class _Rows(torch.nn.Module):
         return self.fn(*xs, *self.weights)
 
 
-def _rms(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
-
-
-def _add_rms(x, r, w):
-    h = x + r
-    return _rms(h, w), h
-
-
-def _add_ln(x, r, w, b):
-    h = x + r
-    return F.layer_norm(h, (h.shape[-1],), w, b), h
-
-
 # name -> (function, row inputs (rows, n, dtype), weights (n, dtype))
 CASES = {
     "softmax_4096x50257": (lambda x: torch.softmax(x, -1), [(4096, 50257, bf)], []),
     "log_softmax_8192x30522": (lambda x: torch.log_softmax(x, -1), [(8192, 30522, bf)], []),
     "layer_norm_2048x32768": (lambda x, w, b: F.layer_norm(x, (32768,), w, b),
                               [(2048, 32768, bf)], [(32768, bf), (32768, bf)]),
-    "rms_norm_1024x50257": (_rms, [(1024, 50257, bf)], [(50257, bf)]),
-    "add_rms_norm_1024x50000": (_add_rms, [(1024, 50000, bf)] * 2, [(50000, bf)]),
-    "add3_rms_norm_1024x50000": (lambda x, r, s, w: _add_rms(x + s, r, w),
+    "rms_norm_1024x50257": (rmsnorm, [(1024, 50257, bf)], [(50257, bf)]),
+    "add_rms_norm_1024x50000": (add_rmsnorm, [(1024, 50000, bf)] * 2, [(50000, bf)]),
+    "add3_rms_norm_1024x50000": (lambda x, r, s, w: add_rmsnorm(x + s, r, w),
                                  [(1024, 50000, bf)] * 3, [(50000, bf)]),
-    "add_layer_norm_1024x50000": (_add_ln, [(1024, 50000, bf)] * 2, [(50000, bf)] * 2),
-    "add_layer_norm_fp32_1024x40000": (_add_ln, [(1024, 40000, f32)] * 2, [(40000, f32)] * 2),
-    "add_layer_norm_fp32_1024x50000": (_add_ln, [(1024, 50000, f32)] * 2, [(50000, f32)] * 2),
+    "add_layer_norm_1024x50000": (add_layernorm, [(1024, 50000, bf)] * 2, [(50000, bf)] * 2),
+    "add_layer_norm_fp32_1024x40000": (add_layernorm, [(1024, 40000, f32)] * 2, [(40000, f32)] * 2),
+    "add_layer_norm_fp32_1024x50000": (add_layernorm, [(1024, 50000, f32)] * 2, [(50000, f32)] * 2),
 }
 
 

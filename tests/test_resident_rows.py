@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import fusion_compiler
 from helpers import assert_close, assert_outputs_close, kernel_count, leftover_aten
 from patterns import randn
+from test_welford import layer_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -27,13 +28,6 @@ def softmax(x):
 
 def log_softmax_fp32(x):
     return torch.log_softmax(x.float(), dim=-1)
-
-
-def layer_norm(x):
-    n = x.shape[-1]
-    w = torch.linspace(0.5, 1.5, n, device=x.device, dtype=x.dtype)
-    b = torch.linspace(-1, 1, n, device=x.device, dtype=x.dtype)
-    return F.layer_norm(x, (n,), w, b, 1e-5)
 
 
 def rms_norm(x):
