@@ -10,9 +10,9 @@ from __future__ import annotations
 import sympy
 import torch
 
+from . import launch as rules
 from .indexing import print_expr
 from .kernel_ir import KernelIR
-from . import launch as rules
 from .lowered import GATHERS
 
 INDEX_LIMIT = 2**31 - 1

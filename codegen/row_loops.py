@@ -36,8 +36,8 @@ _ROWS = {"sum": "tl.sum({a}, axis=1)", "mean": "tl.sum({a}, axis=1)",
          "max": "fl.row_max({a}, 1)", "min": "fl.row_min({a}, 1)"}
 _COMBINE = {"sum": "tl.sum({a}, axis=0)", "mean": "tl.sum({a}, axis=0)",
             "max": "fl.row_max({a}, 0)", "min": "fl.row_min({a}, 0)"}
-_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v})",
-         "min": "fl.min_combine({a}, {v})"}
+RED_STEP = {"sum": "{a} + {v}", "mean": "{a} + {v}", "max": "fl.max_combine({a}, {v})",
+            "min": "fl.min_combine({a}, {v})"}
 # loads issued a loop step ahead (column_loop); FUSION_COMPILER_PREFETCH=0 issues them in place
 PREFETCH = os.environ.get("FUSION_COMPILER_PREFETCH", "1") == "1"
 # a looped kernel's passes over its rows (evicting, below), where they hold at least
@@ -239,7 +239,7 @@ def _step(ph, stmt_lines, ahead, moved, first=False, late=()):
             x = f"{src.name} - {m_acc}_k"
             lines.append(f"{acc} = {acc} + tl.where(mask, {m_acc}_d * ({x} - {m_acc}), 0.0)")
             continue
-        step = _STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {RED_INIT[kind]})")
+        step = RED_STEP[kind].format(a=acc, v=f"tl.where(mask, {src.name}, {RED_INIT[kind]})")
         lines.append(f"{acc} = {step}")
     return lines + [f"{st[1].name} = {st[1].name}_next" for st in ahead]
 
