@@ -256,3 +256,51 @@ def test_statement_order(small_resident, device):
     assert first(r"_0 = tl\.load\(\(in2 \+ 0\) \+ cols_0,") < weight_1 \
         < first(r"tl\.store\(\(out1 .* cols_0,") < first(r"_2 = tl\.load\(\(in2 \+ 0\) \+ cols_2,")
     assert_outputs_close(out, add_layer_norm(x, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_with_ignored_targets(dtype, small_resident, device):
+    """The target's logit gathered by index beside the held row, a per-row loss stored from a
+    block of one (an ignored target meets a constant), the mean over the counted rows."""
+    x = randn((7, 150), dtype, device)
+    t = torch.randint(0, 150, (7,), device=device)
+    t[2] = -100
+
+    def f(x, t):
+        return F.cross_entropy(x.float(), t)
+    out, reports, ran = run(f, (x, t))
+    assert_ran(ran)
+    assert_close(out, f(x, t), name="loss")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_softmax_training(dtype, small_resident, device):
+    """The backward's row (the gradient and the softmax's output, two row inputs) is held
+    too; gradients match."""
+    x = randn((6, 130), dtype, device).requires_grad_()
+    g = randn((6, 130), dtype, device)
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(softmax, backend="fusion")(x)
+        (grad,) = torch.autograd.grad(out, (x,), g)
+    x2 = x.detach().clone().requires_grad_()
+    ref = softmax(x2)
+    (expected,) = torch.autograd.grad(ref, (x2,), g)
+    for kind in ("forward", "backward"):
+        assert "def _resident_kernel" in source([r for r in reports if r.kind == kind]), kind
+    assert_close(out, ref, name="output")
+    assert_close(grad, expected, name="grad")
+
+
+def test_padded_and_concatenated_rows(small_resident, device):
+    """Rows made in the kernel by a pad and a cat along them: the columns' predicates pick
+    each chunk's source, as the persistent kernel's do."""
+    a, b = randn((5, 70), torch.float32, device), randn((5, 61), torch.float32, device)
+
+    def f(a, b):
+        row = torch.cat([F.pad(a, (3, 2), value=-1.0), b * 2], dim=-1)     # 75 + 61 = 136
+        return torch.softmax(row, -1)
+    out, reports, ran = run(f, (a, b))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_ran(ran)
+    assert_close(out, f(a, b))
