@@ -81,8 +81,9 @@ def text_table(headers, rows, right=(), indent="  ") -> list:
 
 # ---------------------------------------------------------------- rows shared by table and HTML
 
-GROUP_HEADERS = ["group", "label", "ops", "in -> out", "bytes unfused -> fused",
+GROUP_HEADERS = ["group", "label", "form", "ops", "in -> out", "bytes unfused -> fused",
                  "launches saved", "est. time saved"]
+GROUP_RIGHT = {6, 7}        # the numbers' columns
 ATEN_HEADERS = ["op", "count", "reason"]
 REFUSED_HEADERS = ["producer -> consumer", "score", "bytes before -> after"]
 
@@ -94,7 +95,8 @@ def group_rows(summary, width=OPS_WIDTH):
         mark = ""
         if not g["kernel"]:
             mark = notes.setdefault(g["why_not"] or "no kernel", f"[{len(notes) + 1}]")
-        rows.append([f"#{g['id']}{mark}", g["label"], ops_text(g["ops"], width), io_text(g),
+        rows.append([f"#{g['id']}{mark}", g["label"], g["form"], ops_text(g["ops"], width),
+                     io_text(g),
                      f"{human_bytes(g['bytes_unfused'])} -> {human_bytes(g['bytes_fused'])}",
                      str(g["launches_saved"]), f"{g['time_saved_us']:.1f} us"])
     return rows, notes
@@ -158,7 +160,7 @@ def render_table(doc) -> str:
             out.append(f"compiling this graph failed; it runs on ATen unfused: {s['error']}")
             continue
         rows, notes = group_rows(s)
-        out += [f"fused groups ({len(rows)})"] + (text_table(GROUP_HEADERS, rows, {5, 6})
+        out += [f"fused groups ({len(rows)})"] + (text_table(GROUP_HEADERS, rows, GROUP_RIGHT)
                                                     if rows else [])
         out += [f"  {mark} not generated, stays on ATen: {why}" for why, mark in notes.items()]
         out += ["", f"left on ATen ({len(s['aten_ops'])} ops)"]

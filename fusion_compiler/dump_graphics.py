@@ -13,8 +13,9 @@ from collections import defaultdict
 
 import networkx as nx
 
-from .dump_format import (ATEN_COLOR, ATEN_HEADERS, COLORS, GROUP_HEADERS, NOT_GENERATED_COLOR,
-                          OTHER_COLOR, REFUSED_HEADERS, aten_rows, graph_title, group_rows,
+from .dump_format import (ATEN_COLOR, ATEN_HEADERS, COLORS, GROUP_HEADERS, GROUP_RIGHT,
+                          NOT_GENERATED_COLOR, OTHER_COLOR, REFUSED_HEADERS, aten_rows,
+                          graph_title, group_rows,
                           human_bytes, io_text, op_name, ops_text, options_text,
                           refused_sections, totals_rows)
 
@@ -212,7 +213,7 @@ def render_html(doc) -> str:
                 html_table(["", "before -> after", ""], totals_rows(s)),
                 f'<h3>graph</h3><p class="key">{key}</p>',
                 f'<div class="picture">{render_svg(s, i)}</div>',
-                f"<h3>fused groups ({len(rows)})</h3>", html_table(GROUP_HEADERS, rows, {5, 6})]
+                f"<h3>fused groups ({len(rows)})</h3>", html_table(GROUP_HEADERS, rows, GROUP_RIGHT)]
         out += [f'<p class="note">{e(m)} not generated, stays on ATen: {e(w)}</p>'
                 for w, m in notes.items()]
         out += [f"<h3>left on ATen ({len(s['aten_ops'])} ops)</h3>",

@@ -73,7 +73,7 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
             "launches_saved": len(unfused) - 1,
             "time_unfused_us": ut * 1e6, "time_fused_us": g.cost.time * 1e6,
             "time_saved_us": (ut - g.cost.time) * 1e6,
-            "kernel": bool(generated), "why_not": g.error,
+            "kernel": bool(generated), "why_not": g.error, "form": g.form,
             "recomputed": sorted(n.name for n in g.recomputed),
         })
         in_groups.update(g.members)

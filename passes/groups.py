@@ -36,6 +36,7 @@ class FusionGroup:
     recomputed: frozenset = frozenset()           # members also computed in other groups
     extra_outputs: frozenset = frozenset()        # members another group's recomputation reads
     gathered: dict = field(default_factory=dict)  # input -> bytes, for tables read by index
+    form: str = ""                                # the kernel's form as the cost model takes it
 
     @property
     def n_ops(self) -> int:
@@ -132,7 +133,7 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
                                           for c in view.consumers(m)))),
         key=view.order.__getitem__)
     group.gathered = _gathered(group, ctx)
-    passes, row_inputs = _looped_passes(group, view, ctx)
+    passes, row_inputs, group.form = _looped_passes(group, view, ctx)
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
                              ctx.profile, group.members, gathered=group.gathered)
     return group
@@ -174,7 +175,9 @@ def charge_parts(group: FusionGroup, ctx) -> None:
 
 
 def _looped_passes(group: FusionGroup, view: GraphView, ctx):
-    """(passes over each row, inputs re-read on every pass) of a looped row kernel.
+    """(passes over each row, inputs re-read on every pass, the kernel's form) of a group's
+    kernel: "pointwise", "rows" (a persistent row kernel: one pass), "rows, held" (the resident
+    kernel: one pass) or "rows, N passes" (the looped kernel, or its split stages).
 
     A row too long for registers is streamed once per reduction level and once more for the
     per-element outputs: a LayerNorm over a long row reads its input three times (the mean,
@@ -186,13 +189,13 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     (``launch.split_settings``)."""
     reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
     if not reductions:
-        return 1, ()
+        return 1, (), "pointwise"
     src = reductions[0].args[0].meta["fc_tensor"]
     n = hint(src.shape[-1], ctx.size_hints)
     if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
-        return 1, ()
+        return 1, (), "rows"
     if src.shape[-1].is_Integer and _resident(group, src, n, ctx):
-        return 1, ()
+        return 1, (), "rows, held"
     level, graph = {}, _FXGraph(set(group.members))
     for m in sorted(group.members, key=view.order.__getitem__):
         up = [level[s] for s in view.sources(m, set()) if s in level]
@@ -206,7 +209,7 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
                       for o in group.outputs)
     passes = max(level[r] for r in reductions) + (1 if per_element else 0)
     row_inputs = {i for i in group.inputs if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel}
-    return passes, row_inputs
+    return passes, row_inputs, f"rows, {passes} pass{'es' * (passes != 1)}"
 
 
 def _resident(group: FusionGroup, src, n: int, ctx) -> bool:

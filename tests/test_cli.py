@@ -104,7 +104,7 @@ GRAPH = {"index": int, "kind": str, "profile": str, "ran_kernels": bool, "groups
          "aten_ops": list, "refused": list, "edges": list, "totals": dict, "kernels": list}
 GROUP = {"id": int, "label": str, "ops": list, "nodes": list, "inputs": list, "outputs": list,
          "bytes_unfused": int, "bytes_fused": int, "launches_saved": int, "time_unfused_us": NUM,
-         "time_fused_us": NUM, "time_saved_us": NUM, "kernel": bool, "why_not": str}
+         "time_fused_us": NUM, "time_saved_us": NUM, "kernel": bool, "why_not": str, "form": str}
 TENSOR = {"name": str, "shape": list, "dtype": str}
 ATEN = {"node": str, "op": str, "reason": str}
 REFUSED = {"producer": list, "consumer": list, "score_us": NUM, "bytes_before": int,

@@ -446,3 +446,18 @@ def test_graphs_replayed_from_cuda_graphs_are_costed_without_host_terms(monkeypa
     # without graphs the option changes nothing
     plain = dataclasses.replace(cfg, cudagraphs=False)
     assert backend.make_context(plain, "inference", gm).profile == H200
+
+
+@pytest.mark.parametrize("fn, shape, form", [
+    (lambda t: t * 2.0 + 1.0, (8, 64), "pointwise"),
+    (lambda t: torch.softmax(t, -1), (8, 64), "rows"),
+    (lambda t: torch.softmax(t, -1), (132, 16384), "rows, held"),
+    (lambda t: torch.softmax(t, -1), (131, 16384), "rows, 2 passes"),
+    (lambda t: torch.var_mean(t, -1), (131, 16384), "rows, 1 pass")],
+    ids=["pointwise", "persistent", "resident", "split", "split, one pass"])
+def test_groups_name_their_kernels_form(fn, shape, form):
+    """The form `dump` shows beside each group (its "form" column and JSON key): the one the
+    cost model counts the bytes of."""
+    ctx = analyze(fn, torch.randn(*shape), max_persistent_block=1024)
+    (g,) = ctx.groups
+    assert g.form == form
