@@ -101,7 +101,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
 # 8192 spilled (372 us at 50257), chunks of 2048 or 16 warps were slower (292, 302)
 RESIDENT_RBLOCK = 4096
 RESIDENT_WARPS = 32
-# most chunks x fp32 values an element keeps (render._held_values). 64 registers a thread on
+# most chunks x fp32 values an element keeps (resident._held_values). 64 registers a thread on
 # 32 warps, spill instructions in the SASS (sm_90, CPU, benchmarks/resident_registers.py):
 # bf16 rows of about 50000, 13 chunks: softmax (x 1) 4, RMSNorm and add+RMSNorm (x 1) 0,
 # add+LayerNorm (x 1) 17, x + r + s then RMSNorm (x 1.5) 1; fp32 add+LayerNorm over 40000

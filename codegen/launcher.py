@@ -160,10 +160,14 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     else:
         lines += [f"    R = {py_expr(sympy.Mul(*shape[:-1]))}",
                   f"    N = {py_expr(shape[-1])}",
-                  "    if R > 0:",
-                  f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, {max_persistent_block}"
-                  + (", STRIDED)" if strided else ")"),
-                  "        grid = (R + XBLOCK - 1) // XBLOCK"]
+                  "    if R > 0:"]
+        if "resident" in kernels and "persistent" not in kernels:
+            # the split stages' and the resident kernel's settings are their own: no rule asked
+            lines.append("        XBLOCK = 1  # a program a row")
+        else:
+            lines += [f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, "
+                      f"{max_persistent_block}" + (", STRIDED)" if strided else ")"),
+                      "        grid = (R + XBLOCK - 1) // XBLOCK"]
         settings = ["XBLOCK", "RBLOCK", "num_warps"]
         constexprs = ["XBLOCK", "RBLOCK", "index64"]
 

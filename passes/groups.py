@@ -215,7 +215,7 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
 def _resident(group: FusionGroup, src, n: int, ctx) -> bool:
     """Whether the resident kernel holds the group's rows (of a static ``n``): rows too many to
     split (``launch.split_settings``) and values that fit its registers, as its code generator
-    estimates them from its row loads (``render._held_values``): here its inputs of more than
+    estimates them from its row loads (``resident._held_values``): here its inputs of more than
     ``n`` elements (a weight of ``n`` is loaded a chunk at a time), from the row's 16 bytes
     where the row is not on them."""
     cfg = ctx.config

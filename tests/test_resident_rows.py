@@ -1,5 +1,5 @@
 """Rows longer than a persistent program's block held in registers by the resident kernel
-(render._resident_phases): one program a row holds it as static chunks, every column statement
+(resident.resident_phases): one program a row holds it as static chunks, every column statement
 written once a chunk, each reduction combining its chunks before reducing once; the row is read
 once, where the looped kernel reads it once a pass. Tests hold rows of up to 208 elements in
 chunks of 16 (``small_resident``: 13 chunks, as the default's 53248 in chunks of 4096), assert
@@ -128,7 +128,7 @@ def add_layer_norm(x, r):
 @pytest.mark.parametrize("dtype, n, held", [
     (torch.float32, 201, False), (torch.float32, 100, True), (torch.bfloat16, 201, True)])
 def test_rows_held_where_their_values_fit(dtype, n, held, small_resident, device):
-    """The registers' estimate (render._held_values, at most launch.RESIDENT_VALUES = 20
+    """The registers' estimate (resident._held_values, at most launch.RESIDENT_VALUES = 20
     chunks x fp32 values an element): an add+LayerNorm loads two rows before its first
     reduction, 2 values an element in fp32 (13 chunks at 201: 26, looped; 7 at 100: 14), 1 in
     bf16 (13); its weight and bias, loaded after, a chunk at a time, are not counted."""
