@@ -222,6 +222,11 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         if best is None:
             return next_id
         score, a, b, merged = best
+        # checked again now: merging two other siblings since this pair was scored can have made
+        # a path between them (a -> x ... y -> b, x and y merged), and fusing them a cycle
+        if nx.has_path(unit, a, b) or nx.has_path(unit, b, a):
+            rejected.add((a, b))
+            continue
         try:
             check_legal(merged, ctx)
         except NotFusable as exc:

@@ -354,6 +354,36 @@ def test_siblings_feeding_one_op_share_a_launch(dtype, m, k, n, device):
                  else None, rtol=0.05 if dtype != torch.float32 else None)
 
 
+def crossed_siblings(s, t, r, w1, w2):
+    # a and d share s and t, b and c share s and r: the best sibling pairs. But a feeds c and b
+    # feeds d through the GEMMs, so once {a, d} is one kernel, b -> d ... a -> c is a path from
+    # b to c, and {b, c} would make a cycle of two kernels
+    a, b = s * t, s * r
+    c = (a @ w1) * s + r
+    d = (b @ w2) * s + t
+    return c, d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sibling_merges_that_would_make_a_cycle_are_refused(dtype, device):
+    """Two sibling merges, each acyclic alone, that together make a cycle through ATen ops: the
+    second is checked against the graph the first made, refused, and the model runs."""
+    from helpers import assert_close, compile_and_run, kernel_count
+
+    s, t, r = (torch.randn(37, 24, device=device, dtype=dtype) for _ in range(3))
+    w1, w2 = (torch.randn(24, 24, device=device, dtype=dtype) for _ in range(2))
+    out, reports = compile_and_run(crossed_siblings, (s, t, r, w1, w2))
+    (report,) = reports
+    assert not report.error
+    taken = [d for d in report.decisions if d.get("kind") == "horizontal" and d["taken"]]
+    assert len(taken) == 1 and set(taken[0]["producer"] + taken[0]["consumer"]) in (
+        {"mul", "mul_3", "add_1"}, {"mul_1", "mul_2", "add"}), taken
+    assert kernel_count(reports) == 3
+    for a, e in zip(out, crossed_siblings(s, t, r, w1, w2)):
+        assert_close(a, e, dtype=dtype, atol=0.05 if dtype != torch.float32 else None,
+                     rtol=0.05 if dtype != torch.float32 else None)
+
+
 def test_reduction_siblings_of_other_shapes_stay_apart():
     # GQA: 8 query heads, 2 key heads -> row reductions over different rows, one kernel each
     # (a multi-part kernel holds pointwise parts only)
