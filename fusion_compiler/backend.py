@@ -228,6 +228,10 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return compile_fn
 
     with young_gc():            # aot_autograd's tracing and the forward graph's passes
+        extra = {}
+        if config.backward_recompute:
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+            extra["partition_fn"] = min_cut_rematerialization_partition
         return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                             inference_compiler=compiler("inference"),
-                            decompositions=decomposition_table())(gm, example_inputs)
+                            decompositions=decomposition_table(), **extra)(gm, example_inputs)

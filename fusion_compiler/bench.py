@@ -20,11 +20,14 @@ import torch
 from . import breakdown as BD
 from . import patterns as P
 
-# name -> torch.compile arguments (None: eager). "-cg": CUDA graphs (mode="reduce-overhead").
+# name -> torch.compile arguments (None: eager). "-cg": CUDA graphs (mode="reduce-overhead");
+# "fusion-save": training graphs that save every forward value the backward reads instead of
+# recomputing the cheap ones (config.backward_recompute off), to compare the two.
 COMPILE_ARGS = {"eager": None, "inductor": {"backend": "inductor"},
                 "inductor-cg": {"backend": "inductor", "mode": "reduce-overhead"},
                 "fusion": {"backend": "fusion"},
-                "fusion-cg": {"backend": "fusion", "mode": "reduce-overhead"}}
+                "fusion-cg": {"backend": "fusion", "mode": "reduce-overhead"},
+                "fusion-save": {"backend": "fusion", "options": {"backward_recompute": False}}}
 BACKENDS = tuple(COMPILE_ARGS)
 DEFAULT_BACKENDS = ("eager", "inductor", "fusion")
 

@@ -16,8 +16,10 @@ def add_parser(sub) -> None:
                "of them, or a model as in `dump` (file.py, file.py:factory, module:factory).")
     b.add_argument("targets", metavar="TARGET", nargs="+")
     b.add_argument("--compare", default="eager,inductor,fusion",
-                   help="comma-separated, from eager, inductor, fusion, inductor-cg, fusion-cg "
-                        "(-cg: CUDA graphs, mode='reduce-overhead'); default: eager,inductor,fusion")
+                   help="comma-separated, from eager, inductor, fusion, inductor-cg, fusion-cg, "
+                        "fusion-save (-cg: CUDA graphs, mode='reduce-overhead'; fusion-save: "
+                        "training graphs save what the backward reads, no recompute); default: "
+                        "eager,inductor,fusion")
     b.add_argument("--mode", choices=("inference", "training"), default="inference")
     b.add_argument("--rows", type=int, help="rows of the patterns (default: the anchor sizes)")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")

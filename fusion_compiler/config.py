@@ -54,6 +54,11 @@ class Config:
     # Kernels per graph whose launch settings are tuned by timing on the GPU (the ones moving
     # the most bytes; codegen/autotune.py), results cached on disk; 0: the rules of launch.py.
     autotune: int = 0
+    # Training: recompute cheap forward values in the backward graph instead of saving them
+    # (aot_autograd's min-cut partitioner, as Inductor does): fewer saved activations, less
+    # memory, and the recomputed ops fuse into the backward's kernels. 0: save what the
+    # backward reads, as eager autograd does.
+    backward_recompute: bool = True
 
     @staticmethod
     def from_env(env=None) -> "Config":
