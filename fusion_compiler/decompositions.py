@@ -12,7 +12,8 @@ pointwise ops and last-dim reductions the code generator fuses:
                                          [N, groups, C/groups * HxW] view, the output in place
 
 GEMMs (baddbmm too, which the core table would turn into an fp32 bmm), attention
-(scaled_dot_product_attention) and everything else stay as they are.
+(scaled_dot_product_attention), an embedding's gradient (embedding_dense_backward, which the
+core table would turn into a slow index_put) and everything else stay as they are.
 """
 from __future__ import annotations
 
@@ -113,9 +114,14 @@ def _table() -> dict:
     # attention stays one ATen op (FlashAttention / memory-efficient kernels on the GPU); so
     # does baddbmm, a GEMM whose epilogue adds the bias (BLOOM's ALiBi scores): the core
     # decomposition upcasts bf16 operands to an fp32 bmm, several times slower than cuBLAS's
-    # bf16 baddbmm, which accumulates in fp32 and rounds once, as eager does
+    # bf16 baddbmm, which accumulates in fp32 and rounds once, as eager does. An embedding's
+    # gradient stays ATen's embedding_dense_backward too: the core decomposition makes it an
+    # index_put with accumulation, whose sort-based CUDA kernel serializes on repeated indices
+    # (BERT's token types, all 0: 2755 us for the three embeddings of a 16 x 256 training step
+    # on the H200, session 26), where ATen's embedding kernel reduces each index's segment
     table = {op: fn for op, fn in _core().items()
-             if "scaled_dot_product" not in str(op) and op.overloadpacket is not aten.baddbmm}
+             if "scaled_dot_product" not in str(op) and op.overloadpacket is not aten.baddbmm
+             and op.overloadpacket is not aten.embedding_dense_backward}
     table.update(get_decompositions(_ops(_EXTRA)))
     table[aten.var_mean.correction] = var_mean_correction
     table[aten.native_group_norm.default] = native_group_norm

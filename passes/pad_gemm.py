@@ -13,6 +13,12 @@ gives the result the layout the traced graph promised its users (contiguous [M, 
 later pass or kernel sees a changed stride. A transposed weight (``t(w)``, a Linear's) is padded
 before its transpose, a contiguous copy of w. ``addmm``'s bias is padded with zeros too.
 
+A column-major a, the transpose of a contiguous [K, M], has its columns M elements apart: the
+LM head's weight gradient in training, ``t(grad_logits)[50257, 4096] @ h[4096, 768]`` (2190 us
+per GPT-2 8 x 512 step in that sm75-era kernel, H200, session 26). Its source is padded along
+M before the transpose, and the first M rows of the result are cut off, a contiguous view: no
+clone. ``mm(pad(a)[M', K], b)[:M]``.
+
 Where the result only leaves the graph (through views: GPT-2's logits), there is no clone: the
 caller gets the cut view, rows N' apart. Its values and stride order are eager's; only the row
 stride differs, and ``is_contiguous()`` is False. Inductor returns the same (its outputs keep
@@ -94,10 +100,11 @@ def _restride(node):
             _restride(user)
 
 
-def worth_padding(m, k, n, pad_k, pad_n, itemsize, profile) -> bool:
+def worth_padding(m, k, n, pad_k, pad_n, itemsize, profile, pad_m=0) -> bool:
     """Whether the copies of padding cost less than the time an aligned GEMM saves."""
     gemm = 2 * m * n * k / (profile.peak_flops * MATMUL_TO_VECTOR)
-    copied = (m * k * bool(pad_k) + k * n + m * n) * itemsize * 2     # read + written
+    copied = (m * k * bool(pad_k or pad_m) + k * n * bool(pad_k or pad_n)
+              + m * n * bool(pad_n)) * itemsize * 2                      # read + written
     copies = copied / profile.hbm_bandwidth + 3 * profile.launch_overhead
     return (UNALIGNED_SLOWDOWN - 1) * gemm > copies
 
@@ -119,21 +126,29 @@ def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
             continue                                     # a bias broadcast along columns
         align = ALIGN_BYTES // out.element_size()
         pad_k, pad_n = -k % align, -n % align
-        if not (pad_k or pad_n) or not worth_padding(m, k, n, pad_k, pad_n,
-                                                     out.element_size(), ctx.profile):
+        # a column-major a (the transpose of a contiguous [K, M]: a weight gradient's t(grad))
+        # has rows M apart: M is its leading dimension
+        pad_m = -m % align if m > 1 and va.stride() == (1, m) else 0
+        if not (pad_k or pad_n or pad_m) or not worth_padding(
+                m, k, n, pad_k, pad_n, out.element_size(), ctx.profile, pad_m):
             continue
         mode = out.fake_mode
         with gm.graph.inserting_before(node):
-            pa = _pad(gm, a, [0, pad_k], mode) if pad_k else a
-            pb = _pad(gm, b, [0, pad_n, 0, pad_k], mode)
+            pa = _pad(gm, a, [0, pad_k, 0, pad_m], mode) if pad_k or pad_m else a
+            pb = _pad(gm, b, [0, pad_n, 0, pad_k], mode) if pad_k or pad_n else b
             if bias is None:
                 wide = emit(gm, aten.mm.default, (pa, pb), mode)
             else:
-                pbias = emit(gm, aten.constant_pad_nd.default, (bias, [0, pad_n]), mode)
+                pbias = emit(gm, aten.constant_pad_nd.default, (bias, [0, pad_n]), mode) \
+                    if pad_n else bias
                 wide = emit(gm, aten.addmm.default, (pbias, pa, pb), mode)
-            cut = emit(gm, aten.slice.Tensor, (wide, 1, 0, n), mode)
-            leaves = _only_leaves(node)
-            result = cut if leaves else emit(gm, aten.clone.default, (cut,), mode)
+            # the padded rows cut off: the first M rows of a contiguous result are contiguous
+            result = emit(gm, aten.slice.Tensor, (wide, 0, 0, m), mode) if pad_m else wide
+            leaves = False
+            if pad_n:
+                cut = emit(gm, aten.slice.Tensor, (result, 1, 0, n), mode)
+                leaves = _only_leaves(node)
+                result = cut if leaves else emit(gm, aten.clone.default, (cut,), mode)
         node.replace_all_uses_with(result)
         if leaves:
             _restride(result)
@@ -144,7 +159,7 @@ def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
         padded += 1
         log.info("fusion-compiler: padded GEMM [%d, %d] @ [%d, %d] to [%d, %d] @ [%d, %d] "
                  "(16-byte aligned rows for cuBLAS)",
-                 m, k, k, n, m, k + pad_k, k + pad_k, n + pad_n)
+                 m, k, k, n, m + pad_m, k + pad_k, k + pad_k, n + pad_n)
     if padded:
         gm.recompile()
     return padded

@@ -322,6 +322,62 @@ def test_training_gradients_match_eager(device):
     assert all(r.ran_kernels for r in reports)
 
 
+def sin_cos(x, w):
+    return (torch.sin(x * 2.0) * w).cos() * x
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_backward_recompute_saves_only_the_inputs(recompute, device):
+    """config.backward_recompute (aot_autograd's min-cut partitioner): the backward computes the
+    cheap forward values again instead of the forward saving them; here only x and w are saved,
+    where saving keeps the four [37, 24] intermediates. Gradients are eager's either way."""
+    x, w = torch.randn(37, 24, device=device), torch.randn(24, device=device)
+    ours = [t.clone().requires_grad_() for t in (x, w)]
+    ref = [t.clone().requires_grad_() for t in (x, w)]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    torch._dynamo.reset()
+    compiled = torch.compile(sin_cos, backend="fusion", fullgraph=True,
+                             options={"backward_recompute": recompute})
+    with fusion_compiler.capture_compiles() as reports:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = compiled(*ours)
+        out.sum().backward()
+    sin_cos(*ref).sum().backward()
+    assert [r.kind for r in reports] == ["forward", "backward"]
+    assert kernel_count(reports, "forward") == 1 and kernel_count(reports, "backward") == 1
+    inputs = {t.data_ptr() for t in ours}
+    made = [tuple(t.shape) for t in saved if t.data_ptr() not in inputs]
+    assert made == ([] if recompute else [(37, 24)] * 4), made
+    assert_close(out, sin_cos(*ref))
+    for name, a, e in zip("xw", ours, ref):
+        assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-4, name=f"grad {name}")
+
+
+def test_embedding_gradient_stays_atens_embedding_backward(device):
+    """An embedding's gradient is ATen's embedding_dense_backward, not the core decomposition's
+    index_put (slow on repeated indices); here every index repeats, as BERT's token types do."""
+    table = torch.randn(11, 24, device=device)
+    ids = torch.tensor([[3, 3, 0, 7, 3], [0, 0, 3, 10, 3]], device=device)
+    fn = lambda t, i: torch.nn.functional.layer_norm(  # noqa: E731
+        torch.nn.functional.embedding(i, t) * 2.0, (24,))
+    ours, ref = table.clone().requires_grad_(), table.clone().requires_grad_()
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(fn, backend="fusion", fullgraph=True)(ours, ids)
+        out.square().sum().backward()
+    expected = fn(ref, ids)
+    expected.square().sum().backward()
+    assert_close(out, expected)
+    assert_close(ours.grad, ref.grad, atol=1e-4, rtol=1e-4, name="grad")
+    left = leftover_aten(reports, "backward")
+    assert "aten.embedding_dense_backward.default" in left and not [o for o in left if "index_put" in o]
+    assert kernel_count(reports, "forward") >= 1 and kernel_count(reports, "backward") >= 1
+
+
 # ----------------------------------------------------------- torch.compile's mode= and options=
 def test_compile_mode_and_options_set_the_config():
     from fusion_compiler.config import with_compile_args

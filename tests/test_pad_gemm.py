@@ -91,6 +91,30 @@ def test_a_result_with_other_users_keeps_its_layout():
         assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, n", [(64, 48), (61, 48), (64, 45)])
+def test_a_column_major_a_is_padded_along_m(dtype, k, n):
+    """A weight gradient, t(grad)[M, K] @ h[K, N] with grad [K, M] contiguous: a's columns are
+    M = 1003 apart. grad is padded along M before the transpose, the result's first M rows are
+    cut off (a contiguous view, no clone); with K or N unaligned too, those are padded as well.
+    The values and layout are eager's."""
+    grad = torch.randn(k, 1003).to(dtype)
+    h = torch.randn(k, n).to(dtype)
+    fn = lambda g, h: (g.t() @ h) * 2.0       # noqa: E731
+    count, gm, out = _padded(fn, (grad, h))
+    assert count == 1
+    targets = _targets(gm)
+    (gemm,) = [n_ for n_ in gm.graph.nodes if n_.target == aten.mm.default]
+    align = 16 // grad.element_size()
+    wide = (1003 + -1003 % align, n + -n % align)
+    assert tuple(gemm.meta["val"].shape) == wide
+    assert (aten.clone.default in targets) == bool(n % align)
+    expected = fn(grad, h)
+    assert out.shape == expected.shape and out.stride() == expected.stride()
+    assert_close(out, expected, dtype, atol=1e-3 if dtype == torch.float32 else None,
+                 rtol=1e-3 if dtype == torch.float32 else None)
+
+
 def test_aligned_small_and_gpu_only_gemms_are_left_alone():
     x, w = torch.randn(1024, 768), torch.randn(1024, 768)
     assert _padded(lambda x, w: x @ w.t(), (x, w))[0] == 0               # aligned
