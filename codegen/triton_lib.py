@@ -94,33 +94,32 @@ def min_combine(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit
-def row_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, max_combine)
-
-
-@triton.jit
-def row_min(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, min_combine)
-
-
 if INTERPRET:
     # The interpreter runs a reduction's combine function in Python, pair by pair: the masked
     # softmax fuzz test spent 16.8 of its 20 s there. tl.max and tl.min are numpy reductions;
     # a NaN anywhere in the row makes the result NaN, as max_combine's does.
     @triton.jit
-    def row_max(x, axis: tl.constexpr):
+    def _nan_where_held(x, r, axis: tl.constexpr):
+        """``r``, a reduction of ``x`` over ``axis``, NaN where that row of ``x`` holds one."""
         if x.dtype.is_floating():
-            return tl.where(tl.max((x != x).to(tl.int32), axis) > 0, float("nan"),
-                            tl.max(x, axis))
-        return tl.max(x, axis)
+            return tl.where(tl.max((x != x).to(tl.int32), axis) > 0, float("nan"), r)
+        return r
+
+    @triton.jit
+    def row_max(x, axis: tl.constexpr):
+        return _nan_where_held(x, tl.max(x, axis), axis)
 
     @triton.jit
     def row_min(x, axis: tl.constexpr):
-        if x.dtype.is_floating():
-            return tl.where(tl.max((x != x).to(tl.int32), axis) > 0, float("nan"),
-                            tl.min(x, axis))
-        return tl.min(x, axis)
+        return _nan_where_held(x, tl.min(x, axis), axis)
+else:
+    @triton.jit
+    def row_max(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, max_combine)
+
+    @triton.jit
+    def row_min(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, min_combine)
 
 
 @triton.jit

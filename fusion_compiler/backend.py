@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from . import cudagraphs, measure
 from .codegen.triton_lib import interpreting
@@ -228,10 +229,9 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return compile_fn
 
     with young_gc():            # aot_autograd's tracing and the forward graph's passes
-        extra = {}
-        if config.backward_recompute:
-            from torch._functorch.partitioners import min_cut_rematerialization_partition
-            extra["partition_fn"] = min_cut_rematerialization_partition
         return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                             inference_compiler=compiler("inference"),
-                            decompositions=decomposition_table(), **extra)(gm, example_inputs)
+                            decompositions=decomposition_table(),
+                            partition_fn=min_cut_rematerialization_partition
+                            if config.backward_recompute else default_partition,
+                            )(gm, example_inputs)
