@@ -26,6 +26,7 @@ from fusion_compiler.cli import _target_imports, call_factory, load_factory
 
 BACKENDS = {"fusion": ("fusion", {"backward_recompute": True}),
             "fusion-save": ("fusion", {"backward_recompute": False}),
+            "fusion-aten-sums": ("fusion", {"column_sums": False}),
             "inductor": ("inductor", None)}
 
 
@@ -35,7 +36,7 @@ def profile_step(target: str, backend: str, options) -> list:
     torch.manual_seed(0)
     with _target_imports():         # as `fusion-compiler bench` builds it
         factory, where = load_factory(target)
-        model, args, _ = call_factory(factory, where, "cuda", torch.bfloat16)
+        model, args, _ = call_factory(factory, where, "cuda", "bfloat16")
     kwargs = {} if options is None else {"options": options}
     step = bench._training_step(torch.compile(model, backend=backend, **kwargs), model)
     for _ in range(3):

@@ -27,7 +27,7 @@ import torch
 from . import ops
 from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, print_expr,
                        roll_index, view_index)
-from .row_outputs import ROLL, layout_chain, push_index, reshaped
+from .row_outputs import ROLL, layout_chain, pulled, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
 from .lowered import (COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args,
@@ -48,7 +48,7 @@ def iteration_space(ir: KernelIR):
         allowed = {shape, rows + (sympy.Integer(1),), rows}
         bad = {ir.values[o].shape for o in ir.outputs
                if ir.values[o].shape not in allowed and layout_chain(ir, o, shape) is None
-               and not reshaped(ir, o, shape)}
+               and pulled(ir, o, shape) is None and not reshaped(ir, o, shape)}
         if bad:
             raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
                              f"per-row of the reduction over {shape}")
@@ -119,6 +119,13 @@ class Lowering(PointwiseLowering):
                 root, ops = chain
                 var = self.value(root, full, frozenset())
                 index = push_index(full, self.ir, root, ops, self.hints)
+                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            elif row and val.shape != self.shape and (
+                    chain := pulled(self.ir, vid, self.shape)) is not None:
+                index = full
+                for op, rid in reversed(chain):     # back to vid, as the rows read it
+                    index = self._source_index(op, rid, index)
+                var = self.value(vid, index, frozenset())
                 self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
             elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
                 index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
@@ -222,22 +229,25 @@ class Lowering(PointwiseLowering):
         return join_digits(sympy.expand(sum((i * s for i, s in zip(index, stride)),
                                             sympy.Integer(0))))
 
+    def _source_index(self, op: IROp, vid: int, index: tuple) -> tuple:
+        """The index into a view's source of the element at ``index`` of its result ``vid``."""
+        src = ref_id(op.args[0])
+        if op.target in VIEWS:
+            return view_index(index, self.ir.values[vid].shape, self.ir.values[src].shape,
+                              self.hints, self.ranges)
+        return _INDEX_OPS[op.target](index, op.args, self.ir.values[src].shape)
+
     def _op(self, vid, op: IROp, index, preds) -> Var:
         out = self.ir.values[vid]
         t, args, kw = op.target, op.args, dict(op.kwargs)
         if t in REDUCTIONS:
             return self._reduction_value(vid, index)
-        if t in VIEWS:
-            src = ref_id(args[0])
-            return self.value(src, view_index(index, out.shape, self.ir.values[src].shape,
-                                              self.hints, self.ranges), preds)
+        if t in VIEWS or t in _INDEX_OPS:
+            return self.value(ref_id(args[0]), self._source_index(op, vid, index), preds)
         if t == "aten.expand.default":
             src = ref_id(args[0])
             return self.value(src, broadcast_index(index, out.shape, self.ir.values[src].shape),
                               preds)
-        if t in _INDEX_OPS:
-            src = ref_id(args[0])
-            return self.value(src, _INDEX_OPS[t](index, args, self.ir.values[src].shape), preds)
         if t == ROLL:
             src = ref_id(args[0])
             return self.value(src, roll_index(index, args, self.ir.values[src].shape), preds)

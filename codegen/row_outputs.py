@@ -4,6 +4,9 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
 - ``layout_chain``: a per-element value laid out again by views, permutes, a clone, a zero
   padding or a roll (Swin's cyclic shift and window partition after its LayerNorm), stored at
   the index ``push_index`` maps each element to;
+- ``pulled``: a value the rows are a view of, each element once (a column sum's input, summed
+  as rows of its permuted view: passes/column_sums.py), stored at the index the views read
+  each element of the iteration from, where the reduction computed it;
 - ``reshaped``: a value of as many elements in another shape, computed by pointwise ops from
   the rows reshaped (GroupNorm's [N, C, H, W] output of its [N, groups, C/groups * HxW] rows),
   computed and stored at the index the reshape gives each element of the iteration.
@@ -25,6 +28,13 @@ _LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default
                    "aten.clone.default", "aten.alias.default", "aten.detach.default",
                    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default",
                    ROLL}
+
+
+# views that read each element of their input once: an output that reaches the rows through them
+# is stored where the rows read it
+_PULL = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
+                 "aten.alias.default", "aten.detach.default", "aten.unsqueeze.default",
+                 "aten.squeeze.dim"}
 
 
 _MOVES = {"aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.as_strided.default",
@@ -54,6 +64,25 @@ def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
             return False
         stack.extend(r for r in map(ref_id, flat_args(op.args)) if r is not None)
     return True
+
+
+def pulled(ir: KernelIR, vid: int, shape: tuple):
+    """[(op, result id), ...] from value ``vid`` (not of ``shape``) to a value of the row kernel's
+    ``shape`` through views that read each element once (``_PULL``), or None. The row kernel
+    evaluates ``vid`` at the index those views pull each element of the iteration back to
+    (``pull_index``): there it is stored, each element once."""
+    n_in = len(ir.inputs)
+    readers: dict = {}
+    for j, op in enumerate(ir.ops):
+        if op.target in _PULL and op.args and ref_id(op.args[0]) is not None:
+            readers.setdefault(ref_id(op.args[0]), []).append(n_in + j)
+    stack = [(vid, [])]
+    while stack:
+        v, chain = stack.pop()
+        if chain and ir.values[v].shape == shape:
+            return chain
+        stack.extend((r, chain + [(ir.ops[r - n_in], r)]) for r in readers.get(v, ()))
+    return None
 
 
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):

@@ -59,6 +59,10 @@ class Config:
     # memory, and the recomputed ops fuse into the backward's kernels. 0: save what the
     # backward reads, as eager autograd does.
     backward_recompute: bool = True
+    # Sums over leading dimensions (bias and norm-weight gradients) summed as rows of their
+    # permuted view, in two kernels that take their producers along (passes/column_sums.py);
+    # 0: left to ATen's reduction.
+    column_sums: bool = True
 
     @staticmethod
     def from_env(env=None) -> "Config":

@@ -156,8 +156,8 @@ def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:
     dims = [dims] if isinstance(dims, int) else list(dims)
     if len(dims) != 1 or dims[0] % src.ndim != src.ndim - 1:
         return False
-    if node.kwargs.get("dtype") is not None:
-        return False
+    if node.kwargs.get("dtype") not in (None, torch.float32):
+        return False            # fp32 partial sums of a split column sum (column_sums.py)
     if node.target == aten.any.dim:
         return src.dtype == torch.bool     # any over a mask (safe softmax's fully-masked rows)
     return src.dtype.is_floating_point

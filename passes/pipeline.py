@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from . import (classify, constant_fold, conv_bias, dedupe, empty_values, fuse, generate,
-               index_rows, pad_gemm, partition, roll, shapes)
+from . import (classify, column_sums, constant_fold, conv_bias, dedupe, empty_values, fuse,
+               generate, index_rows, pad_gemm, partition, roll, shapes)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -16,6 +16,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     conv_bias.run(gm, ctx)          # cuDNN convolutions' biases added by the graph (GPU only)
     index_rows.run(gm, ctx)         # table[idx] as a gather of rows
+    column_sums.run(gm, ctx)        # sums over leading dims as split sums of rows
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
     gm = empty_values.run(gm, ctx)  # values with no elements: allocated, not computed

@@ -197,3 +197,28 @@ def test_rows_held_in_registers_load_in_vectors_without_spills(cache_dir, tmp_pa
     report = ptxas_report(ptx, tmp_path)
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) <= 16, report
+
+
+def test_a_column_sum_loads_in_vectors_across_its_rows(cache_dir, tmp_path, device,
+                                                       monkeypatch):
+    """A column sum's first kernel (passes/column_sums.py) reads strided rows: a program takes
+    a run of columns, loaded in 16-byte vectors across its rows, and stores the producer's
+    value the same way. Its row mask compares with the static row count: against the
+    unspecialized R, Triton could not prove the mask constant over a vector and every access
+    was a 2-byte load (4x slower than eager on the H200)."""
+    g, x = (torch.randn(1024, 768, dtype=torch.bfloat16, device=device) for _ in range(2))
+
+    def f(g, x):
+        y = g * torch.sigmoid(x)
+        return y, y.sum(0)
+    specs = []
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(generate, "_compile_kernels",
+                        lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    out, reports = compile_and_run(f, (g, x))
+    assert kernel_count(reports) == 2
+    first = [s for s in specs if "sigmoid" in Path(s["path"]).read_text()]
+    assert first
+    ptx = ptx_of(first, tmp_path)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "ld.global.b16" not in ptx

@@ -1,0 +1,107 @@
+"""Sums over leading dimensions as sums over the last dimension (ATen graph, first passes).
+
+A training graph sums gradients over the tokens: a Linear's bias gradient ``sum(g, [0])``, a
+norm's weight gradient ``sum(g * xhat, [0, 1])``. Kernels reduce over the last dimension only,
+so these stayed on ATen, each behind a kernel that wrote its input out for it (GPT-2 8 x 512:
+99 of them, 1252 us of a training step on the H200, session 26). Here each becomes
+
+    x [R, *C]  ->  view [S, R/S, *C]  ->  permute [S, *C, R/S]  ->  sum(-1, fp32)  [S, *C]
+               ->  permute [*C, S]    ->  sum(-1)  [*C]  ->  x's dtype
+
+a split reduction, as Inductor's: the first sum is a row kernel over S x C rows of R/S
+elements lying C apart, consecutive rows side by side (strided rows: a program reads a run of
+columns), which takes the producers of x with it, and x itself where the graph needs it (stored
+where the permuted view reads each element: ``row_outputs.pulled``); its S partial sums a column
+stay in fp32, and the second, small sum adds them. S splits the rows into chunks of about
+``CHUNK`` so the first kernel has programs for every SM. Few rows (R at most ``CHUNK``) take one
+sum, no split.
+
+Eager's CUDA sum accumulates in fp32 and rounds once; so do these.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .pad_gemm import _val, emit
+
+aten = torch.ops.aten
+
+CHUNK = 128     # rows a partial sum covers
+
+
+def splits(rows: int) -> int:
+    """How many chunks the rows are summed in: a power of two that divides ``rows`` with
+    chunks of at least ``CHUNK`` rows (1: one sum)."""
+    s = 1
+    while rows % (2 * s) == 0 and rows // (2 * s) >= CHUNK:
+        s *= 2
+    return s
+
+
+def _leading(node):
+    """(x, k) where ``node`` is a plain sum of a float tensor ``x`` with static sizes over its
+    first k dimensions (k < rank), those dimensions mergeable into one; else None."""
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList \
+            or node.kwargs.get("dtype") is not None or len(node.args) < 2:
+        return None
+    x, dims = _val(node.args[0]), node.args[1]
+    if x is None or not x.dtype.is_floating_point or x.dim() < 2 or dims is None \
+            or x.dtype == torch.float64:
+        return None
+    dims = sorted(d % x.dim() for d in ([dims] if isinstance(dims, int) else dims))
+    k = len(dims)
+    if dims != list(range(k)) or k == x.dim():
+        return None
+    if not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
+        return None
+    if any(x.shape[d] != 1 and x.shape[d + 1] != 1
+           and x.stride(d) != x.stride(d + 1) * x.shape[d + 1] for d in range(k - 1)):
+        return None
+    if math.prod(x.shape[:k]) < 2 or math.prod(x.shape[k:]) < 2:
+        return None
+    return x, k
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> int:
+    """Rewrite ``gm``'s sums over leading dimensions, in place; how many."""
+    if not ctx.config.column_sums:
+        return 0
+    done = 0
+    for node in list(gm.graph.nodes):
+        found = _leading(node)
+        if found is None:
+            continue
+        x, k = found
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        rows, rest = math.prod(x.shape[:k]), list(x.shape[k:])
+        s, mode, n = splits(rows), x.fake_mode, len(rest)
+        src = node.args[0]
+        with gm.graph.inserting_before(node):
+            t = emit(gm, aten.view.default, (src, [s, rows // s] + rest), mode)
+            t = emit(gm, aten.permute.default, (t, [0] + list(range(2, n + 2)) + [1]), mode)
+            if s == 1:
+                t = emit(gm, aten.view.default, (t, rest + [rows]), mode)
+                total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
+            else:
+                part = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
+                if x.dtype != torch.float32:
+                    # the partials stay fp32: sum(..., dtype=fp32) as a kernel
+                    part.kwargs = {"dtype": torch.float32}
+                    with mode:
+                        part.meta["val"] = aten.sum.dim_IntList(_val(t), [-1], dtype=torch.float32)
+                t = emit(gm, aten.permute.default, (part, list(range(1, n + 1)) + [0]), mode)
+                total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
+                if x.dtype != torch.float32:
+                    total = emit(gm, torch.ops.prims.convert_element_type.default,
+                                 (total, x.dtype), mode)
+            if keepdim:
+                total = emit(gm, aten.view.default, (total, [1] * k + rest), mode)
+        total.meta.update({k2: v for k2, v in node.meta.items() if k2 not in ("val",)})
+        node.replace_all_uses_with(total)
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.recompile()
+    return done

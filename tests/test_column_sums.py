@@ -1,0 +1,143 @@
+"""Sums over leading dimensions (bias and norm-weight gradients) as split row sums of a permuted
+view (passes/column_sums.py), fused with their producers; the producer's own value stored where
+the rows read it (codegen/row_outputs.py ``pulled``). Kernel counts and values against eager,
+odd shapes, each dtype with its tolerance."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_compiler.passes import column_sums
+from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
+from patterns import randn
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def fused_ops(reports):
+    return [op for r in reports for k in r.kernels for op in k["ops"]]
+
+
+def test_splits_make_chunks_of_at_least_128_rows():
+    assert column_sums.splits(128) == 1
+    assert column_sums.splits(255) == 1
+    assert column_sums.splits(256) == 2
+    assert column_sums.splits(300) == 2            # 150 rows a chunk; 75 would be too few
+    assert column_sums.splits(4096) == 32
+    assert column_sums.splits(4097) == 1           # odd: no power of two divides it
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [300, 129], ids=["split", "one-sum"])
+def test_a_column_sum_fuses_with_its_producer(dtype, rows, device):
+    """y = g * sigmoid(x) and y.sum(0), as a Linear's bias gradient after an activation's
+    backward: y is stored by the kernel that sums it, computed once; split rows take a second,
+    small kernel for the partial sums."""
+    g, x = randn((rows, 37), dtype, device), randn((rows, 37), dtype, device)
+
+    def f(g, x):
+        y = g * torch.sigmoid(x)
+        return y, y.sum(0)
+    (y, s), reports = compile_and_run(f, (g, x))
+    ey, es = f(g, x)
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports) == (2 if rows == 300 else 1)
+    assert fused_ops(reports).count("aten.sigmoid.default") == 1
+    assert_close(y, ey, dtype=dtype, name="y")
+    assert_close(s, es, dtype=dtype, name="sum")
+    kernel, = [k for r in reports for k in r.kernels if "aten.sigmoid.default" in k["ops"]]
+    with open(kernel["path"]) as source:
+        assert source.read().count("tl.exp(") == 1      # y computed once, for its store and sum
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sums_over_two_leading_dims_with_keepdim(dtype, device):
+    """A norm's weight gradient: sum(g * xhat, [0, 1]) over [B, T, C], and sum(g, [0, 1],
+    keepdim=True): one kernel for both partial sums, and a small one for each total."""
+    g, h = randn((4, 67, 29), dtype, device), randn((4, 67, 29), dtype, device)
+
+    def f(g, h):
+        return (g * h).sum([0, 1]), g.sum([0, 1], keepdim=True)
+    (a, b), reports = compile_and_run(f, (g, h))
+    ea, eb = f(g, h)
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports) == 3
+    assert_close(a, ea, dtype=dtype, name="sum(g * h)")
+    assert_close(b, eb, dtype=dtype, name="sum(g, keepdim)")
+
+
+def test_large_values_keep_fp32_partials(device):
+    """The partial sums stay fp32 between the two kernels: bf16 partials of 2048 ones plus a
+    large first value would each round, and their total would drift from eager's."""
+    g = torch.ones(2048, 8, dtype=torch.bfloat16, device=device)
+    g[::128] = 300.0
+    out, reports = compile_and_run(lambda g: g.sum(0), (g,))
+    assert kernel_count(reports) == 2
+    assert torch.equal(out, g.sum(0))               # one rounding, as eager's
+
+
+def test_a_sum_over_leading_dims_that_do_not_merge_stays_on_aten(device):
+    """Leading dims that are no view of one dimension (a transposed [T, B, C]) are left alone."""
+    g = randn((8, 300, 16), torch.float32, device).transpose(0, 1)
+    out, reports = compile_and_run(lambda g: (g * 2).sum([0, 1]), (g,))
+    assert "aten.sum.dim_IntList" in leftover_aten(reports)
+    assert_close(out, (g * 2).sum([0, 1]), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_and_layer_norm_gradients_have_no_sum_on_aten(dtype, device):
+    """The backward of Linear + GELU + LayerNorm: the bias and norm-weight gradients are summed
+    in kernels, none on ATen. Every gradient is as close to float64's as eager's is (within
+    twice eager's error, or the dtype's tolerance): the norm's weight gradient reaches 1e3
+    here, and eager's own fp32 error on it is 2e-4."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40).to(device, dtype)
+    norm = torch.nn.LayerNorm(40).to(device, dtype)
+    x = randn((3, 100, 24), dtype, device).requires_grad_()
+
+    def f(x):
+        return (norm(F.gelu(lin(x))) ** 2).sum()
+    params = [x, lin.weight, lin.bias, norm.weight, norm.bias]
+
+    def grads(fn, dt):
+        for p in params:
+            p.grad = None
+        for m in (lin, norm):
+            m.to(dt)
+        xd = x.detach().to(dt).requires_grad_()
+        fn(xd).backward()
+        out = [xd.grad] + [p.grad for p in params[1:]]
+        for m in (lin, norm):
+            m.to(dtype)
+        return [g.double() for g in out]
+    import fusion_compiler
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        got = grads(torch.compile(f, backend="fusion"), dtype)
+    eager, exact = grads(f, dtype), grads(f, torch.float64)
+    assert leftover_aten(reports, "backward") == ["aten.mm.default"] * 2
+    # backward: the norm's and the GELU's backward in one row kernel; the norm weight's and
+    # bias's partial sums (300 rows in two chunks) in one kernel, a total each; the Linear's
+    # bias gradient, its partials and its total
+    assert [r.num_kernels for r in reports] == [1, 6]
+    assert fused_ops(reports[1:]).count("aten.sum.dim_IntList") == 8
+    atol, rtol = TOL[dtype]
+    for a, e, r, name in zip(got, eager, exact, ["x", "weight", "bias", "norm weight",
+                                                 "norm bias"]):
+        ours, theirs = (a - r).abs().max().item(), (e - r).abs().max().item()
+        scale = r.abs().max().item()
+        assert ours <= max(2 * theirs, atol + rtol * scale), \
+            f"{name} grad: error {ours:.3g} against float64's, eager's {theirs:.3g}"
+
+
+def test_turned_off_the_sums_stay_on_aten(device, monkeypatch):
+    """FUSION_COMPILER_COLUMN_SUMS=0: ATen's reduction, and the producer's kernel alone."""
+    monkeypatch.setenv("FUSION_COMPILER_COLUMN_SUMS", "0")
+    g, x = randn((300, 37), torch.float32, device), randn((300, 37), torch.float32, device)
+
+    def f(g, x):
+        y = g * torch.sigmoid(x)
+        return y, y.sum(0)
+    (y, s), reports = compile_and_run(f, (g, x))
+    assert leftover_aten(reports) == ["aten.sum.dim_IntList"]
+    assert kernel_count(reports) == 1
+    assert_close(s, f(g, x)[1], dtype=torch.float32)
