@@ -141,3 +141,31 @@ def test_turned_off_the_sums_stay_on_aten(device, monkeypatch):
     assert leftover_aten(reports) == ["aten.sum.dim_IntList"]
     assert kernel_count(reports) == 1
     assert_close(s, f(g, x)[1], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_columns_apart_and_broadcast_inputs(dtype, device):
+    """A transposed input (its columns R apart: each permuted row is contiguous) and an input
+    broadcast along the summed dim (stride 0: each row sums one value R times) take the same
+    rewrite; the values are eager's."""
+    xt = randn((37, 300), dtype, device).t()                      # [300, 37], strides (1, 300)
+    b = randn((1, 37), dtype, device)
+
+    def f(xt, b):
+        return (xt * 2).sum(0), b.expand(300, 37).sum(0)
+    (a, c), reports = compile_and_run(f, (xt, b))
+    ea, ec = f(xt, b)
+    assert leftover_aten(reports) == []
+    assert_close(a, ea, dtype=dtype, name="transposed")
+    assert_close(c, ec, dtype=dtype, name="broadcast")
+
+
+def test_float64_and_integer_sums_stay_on_aten(device):
+    """fp64 reductions and integer sums are ATen's, as before."""
+    x = torch.randn(300, 5, dtype=torch.float64, device=device)
+    i = torch.randint(-9, 9, (300, 5), device=device)
+    f = lambda x, i: ((x * 2).sum(0), (i * 2).sum(0))     # noqa: E731
+    (a, b), reports = compile_and_run(f, (x, i))
+    assert leftover_aten(reports).count("aten.sum.dim_IntList") == 2
+    assert torch.equal(b, f(x, i)[1])
+    assert_close(a, f(x, i)[0], dtype=torch.float64)
