@@ -183,20 +183,24 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 
 
 def _horizontal(groups, group_of, unit, view, ctx, next_id):
-    """Merge sibling groups (no path between them) that read the same tensor or feed the same
-    op into one kernel when the model says it saves time: one launch is saved, and a shared
+    """Merge sibling groups (no path between them) that read the same tensor, read results of
+    one kernel (the totals of a split column sum's partials: passes/column_sums.py) or feed the
+    same op into one kernel when the model says it saves time: one launch is saved, and a shared
     tensor is read once.
     Pointwise siblings of different shapes become a multi-part kernel (codegen/multipart.py),
     where each part loads what it reads: scored again once legality shows that."""
     rejected = set()        # pairs that do not pay or cannot be one kernel
     scored = {}             # pair -> (score, merged): groups never change once made
     while True:
-        # siblings: groups that read one tensor, and groups whose results one op reads (q-norm
-        # and k-norm feeding attention: they share no input, but each costs a launch)
+        # siblings: groups that read one tensor or results of one group, and groups whose
+        # results one op reads (q-norm and k-norm feeding attention: they share no input, but
+        # each costs a launch)
         families = defaultdict(set)
         for gid, g in groups.items():
             for i in g.inputs:
                 families["reads", i].add(gid)
+                if i in group_of:       # results of one kernel: a column sum's totals
+                    families["after", group_of[i]].add(gid)
             for u in unit.successors(gid):      # ATen ops only: not the graph's output
                 if isinstance(u, torch.fx.Node) and u.op == "call_function":
                     families["feeds", u].add(gid)
