@@ -70,7 +70,8 @@ def pulled(ir: KernelIR, vid: int, shape: tuple):
     """[(op, result id), ...] from value ``vid`` (not of ``shape``) to a value of the row kernel's
     ``shape`` through views that read each element once (``_PULL``), or None. The row kernel
     evaluates ``vid`` at the index those views pull each element of the iteration back to
-    (``pull_index``): there it is stored, each element once."""
+    (``Lowering._source_index`` along the chain, last op first): there it is stored, each
+    element once."""
     n_in = len(ir.inputs)
     readers: dict = {}
     for j, op in enumerate(ir.ops):

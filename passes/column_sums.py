@@ -13,8 +13,8 @@ elements lying C apart, consecutive rows side by side (strided rows: a program r
 columns), which takes the producers of x with it, and x itself where the graph needs it (stored
 where the permuted view reads each element: ``row_outputs.pulled``); its S partial sums a column
 stay in fp32, and the second, small sum adds them. S splits the rows into chunks of about
-``CHUNK`` so the first kernel has programs for every SM. Few rows (R at most ``CHUNK``) take one
-sum, no split.
+``CHUNK`` so the first kernel has programs for every SM. Rows that allow no split (fewer
+than 2 x ``CHUNK``, or an odd count) take one sum.
 
 Eager's CUDA sum accumulates in fp32 and rounds once; so do these.
 """
