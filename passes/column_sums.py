@@ -29,6 +29,8 @@ from .pad_gemm import _val, emit
 aten = torch.ops.aten
 
 CHUNK = 128     # rows a partial sum covers
+# node.meta key of the sums made here: "partials", "total" or "sum" (unsplit); dump's labels
+MARK = "fc_column_sum"
 
 
 def splits(rows: int) -> int:
@@ -84,8 +86,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             if s == 1:
                 t = emit(gm, aten.view.default, (t, rest + [rows]), mode)
                 total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
+                total.meta[MARK] = "sum"
             else:
                 part = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
+                part.meta[MARK] = "partials"
                 if x.dtype != torch.float32:
                     # the partials stay fp32: sum(..., dtype=fp32) as a kernel
                     part.kwargs = {"dtype": torch.float32}
@@ -93,6 +97,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
                         part.meta["val"] = aten.sum.dim_IntList(_val(t), [-1], dtype=torch.float32)
                 t = emit(gm, aten.permute.default, (part, list(range(1, n + 1)) + [0]), mode)
                 total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
+                total.meta[MARK] = "total"
                 if x.dtype != torch.float32:
                     total = emit(gm, torch.ops.prims.convert_element_type.default,
                                  (total, x.dtype), mode)

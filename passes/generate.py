@@ -182,6 +182,8 @@ def label(group) -> str:
         parts.append("quant")
     if in_dtypes & ({torch.int8, torch.uint8} | fp8) and not out_dtypes & fp8:
         parts.append("dequant")
+    if any(n.meta.get("fc_column_sum") for n in group.members):    # passes/column_sums.py
+        parts.append("column sum")
     if not parts and ops & {"mean", "sum", "amax", "amin"}:
         parts.append("reduction")
     if not parts:

@@ -170,3 +170,17 @@ def test_float64_and_integer_sums_stay_on_aten(device):
     assert leftover_aten(reports).count("aten.sum.dim_IntList") == 2
     assert torch.equal(b, f(x, i)[1])
     assert_close(a, f(x, i)[0], dtype=torch.float64)
+
+
+def test_dump_labels_the_column_sums(device):
+    """dump's label says what a kernel of the rewrite is: the partial sums with their producer
+    ("silu+column sum": y = g * sigmoid(g)), and the totals ("column sum")."""
+    g = randn((300, 37), torch.float32, device)
+
+    def f(g):
+        y = g * torch.sigmoid(g)
+        return y, y.sum(0)
+    out, reports = compile_and_run(f, (g,))
+    assert sorted(k["label"] for r in reports for k in r.kernels) == ["column sum",
+                                                                        "silu+column sum"]
+    assert_close(out[1], f(g)[1], dtype=torch.float32)
