@@ -30,8 +30,8 @@ def _tensor(node, hints):
             "dtype": str(info.dtype).replace("torch.", "")}
 
 
-def aten_reason(node) -> str:
-    """Why an op runs on ATen."""
+def aten_reason(node, config=None) -> str:
+    """Why an op runs on ATen (``config``: the compile's, for the switches that decide)."""
     base = str(node.target).split(".")[1] if str(node.target).startswith("aten.") else str(node.target)
     if base in _GEMM:
         return "GEMM (cuBLAS)"
@@ -45,7 +45,9 @@ def aten_reason(node) -> str:
             return "reduction of integers or with dtype=: stays on ATen"
         if src is not None and src.dtype == torch.float64:
             return "fp64 reduction: stays on ATen"
-        return "reduction not over the last dimension"
+        from .passes import column_sums
+        why = column_sums.why_left(node, config is None or config.column_sums)
+        return why or "reduction not over the last dimension"
     return f"not supported by the code generator: {_short(node.target)}"
 
 
@@ -92,7 +94,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
             isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
         if not produces_tensor or n.meta.get("fc_kind") in (OpKind.VIEW, OpKind.BROADCAST):
             continue
-        aten.append({"node": n.name, "op": _short(n.target), "reason": aten_reason(n)})
+        aten.append({"node": n.name, "op": _short(n.target),
+                     "reason": aten_reason(n, ctx.config)})
     refused = [d for d in ctx.decisions if not d["taken"]]
     # data flow between nodes, by name: what `dump --format dot|html` draws
     edges = [[a.name, n.name] for n in gm.graph.nodes if n.op == "call_function"

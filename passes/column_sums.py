@@ -43,8 +43,10 @@ def splits(rows: int) -> int:
 
 
 def _leading(node):
-    """(x, k) where ``node`` is a plain sum of a float tensor ``x`` with static sizes over its
-    first k dimensions (k < rank), those dimensions mergeable into one; else None."""
+    """(x, k, why) where ``node`` is a plain sum of a float tensor ``x`` over its first k
+    dimensions (k < rank): ``why`` is None where the rewrite applies (static sizes, the k
+    dimensions mergeable into one, at least two rows and two columns), else why not; None where
+    ``node`` is no such sum."""
     if node.op != "call_function" or node.target is not aten.sum.dim_IntList \
             or node.kwargs.get("dtype") is not None or len(node.args) < 2:
         return None
@@ -56,14 +58,26 @@ def _leading(node):
     k = len(dims)
     if dims != list(range(k)) or k == x.dim():
         return None
+    why = None
     if not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
+        why = "symbolic sizes (dynamic shapes)"
+    elif any(x.shape[d] != 1 and x.shape[d + 1] != 1
+             and x.stride(d) != x.stride(d + 1) * x.shape[d + 1] for d in range(k - 1)):
+        why = "the summed dims are no view of one dimension (their strides)"
+    elif math.prod(x.shape[:k]) < 2 or math.prod(x.shape[k:]) < 2:
+        why = "a single row or column"
+    return x, k, why
+
+
+def why_left(node, enabled: bool):
+    """Why a sum over leading dimensions still in the graph was not rewritten (dump's reason
+    for an op left on ATen), or None where ``node`` is no such sum."""
+    found = _leading(node)
+    if found is None:
         return None
-    if any(x.shape[d] != 1 and x.shape[d + 1] != 1
-           and x.stride(d) != x.stride(d + 1) * x.shape[d + 1] for d in range(k - 1)):
-        return None
-    if math.prod(x.shape[:k]) < 2 or math.prod(x.shape[k:]) < 2:
-        return None
-    return x, k
+    if not enabled:
+        return "sum over leading dims: column sums are off (FUSION_COMPILER_COLUMN_SUMS=0)"
+    return f"sum over leading dims: {found[2] or 'not rewritten'}"
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> int:
@@ -73,9 +87,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         found = _leading(node)
-        if found is None:
+        if found is None or found[2] is not None:
             continue
-        x, k = found
+        x, k, _ = found
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         rows, rest = math.prod(x.shape[:k]), list(x.shape[k:])
         s, mode, n = splits(rows), x.fake_mode, len(rest)
