@@ -56,7 +56,8 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             lk = Lowering(ir, hints, True).run()
             late = late_loads(lk)
             strided = strided_rows(lk)
-            kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late)))
+            kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late,
+                                                         strided=strided)))
         if not fits:
             lk = Lowering(ir, hints, False).run()
             resident = None
@@ -200,7 +201,8 @@ def memory_order(lk: LoweredKernel, syms: list, sizes: list):
     return [syms[d] for d in order], [sizes[d] for d in order]
 
 
-def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), stage=None):
+def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), stage=None,
+                   strided: bool = False):
     """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
     a persistent kernel's loads written twice, under its HOIST switch (``late_loads``).
     ``stage``: a looped kernel's phase ``stage`` alone, over one chunk of the row
@@ -398,11 +400,11 @@ def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), st
         for stmt in lk.tail:
             lines += stmt_lines(stmt)
     elif row:
-        rows = sympy.Mul(*lk.shape[:-1]) if lk.shape[:-1] else sympy.Integer(1)
+        rows = sympy.Mul(*lk.shape[:-1])
         # strided rows are loaded in vectors across the rows: a static row count as a literal
         # lets Triton prove the row mask constant over a vector (R itself is not specialized:
         # every access was one 2-byte load, a column sum 4x slower than eager on the H200)
-        bound = py_expr(rows) if strided_rows(lk) and rows.is_Integer else "R"
+        bound = py_expr(rows) if strided and rows.is_Integer else "R"
         lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
                   f"rmask = rindex < {bound}"]
         lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)

@@ -9,6 +9,7 @@ import operator
 
 import torch
 
+from .passes import column_sums
 from .passes.classify import OpKind
 from .passes.generate import label
 from .passes.shapes import hint
@@ -41,11 +42,11 @@ def aten_reason(node, config=None) -> str:
         return "embedding (gather)"
     if base in ("sum", "mean", "amax", "amin"):
         src = node.args[0].meta.get("fc_tensor") if node.args else None
-        if src is not None and (not src.dtype.is_floating_point or node.kwargs.get("dtype")):
-            return "reduction of integers or with dtype=: stays on ATen"
+        if src is not None and (not src.dtype.is_floating_point
+                                or node.kwargs.get("dtype") not in (None, torch.float32)):
+            return "reduction of integers or with a dtype= other than float32: stays on ATen"
         if src is not None and src.dtype == torch.float64:
             return "fp64 reduction: stays on ATen"
-        from .passes import column_sums
         why = column_sums.why_left(node, config is None or config.column_sums)
         return why or "reduction not over the last dimension"
     return f"not supported by the code generator: {_short(node.target)}"

@@ -95,13 +95,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         s, mode, n = splits(rows), x.fake_mode, len(rest)
         src = node.args[0]
         with gm.graph.inserting_before(node):
-            t = emit(gm, aten.view.default, (src, [s, rows // s] + rest), mode)
-            t = emit(gm, aten.permute.default, (t, [0] + list(range(2, n + 2)) + [1]), mode)
-            if s == 1:
-                t = emit(gm, aten.view.default, (t, rest + [rows]), mode)
+            if s == 1:          # [R, *C] -> [*C, R]: one sum
+                t = emit(gm, aten.view.default, (src, [rows] + rest), mode) if k > 1 else src
+                t = emit(gm, aten.permute.default, (t, list(range(1, n + 1)) + [0]), mode)
                 total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
                 total.meta[MARK] = "sum"
             else:
+                t = emit(gm, aten.view.default, (src, [s, rows // s] + rest), mode)
+                t = emit(gm, aten.permute.default, (t, [0] + list(range(2, n + 2)) + [1]), mode)
                 part = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
                 part.meta[MARK] = "partials"
                 if x.dtype != torch.float32:
