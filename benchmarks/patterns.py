@@ -14,6 +14,9 @@ beside the timing; Inductor compiles in this process instead here
 (TORCHINDUCTOR_COMPILE_THREADS=1): the kernels it makes are the same. From 4096 rows the
 backends are timed in two turns, the second in reverse order, and the least median counts: a
 backend timed right after eager's long run read up to 2 points of the floor low (session 17).
+``--clean-flush`` adds each backend's median with a flush that leaves L2 clean (and the copy
+bandwidth so measured): do_bench's zero_ leaves it full of dirty lines, whose write-back lands
+in the timed call and costs a kernel at the bandwidth limit most (timing.clean_flush_ms).
 """
 import argparse
 import json
@@ -28,6 +31,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from fusion_compiler import patterns as P  # noqa: E402  (the backend: by its entry point)
 from fusion_compiler.bench import in_turn  # noqa: E402
+from timing import clean_flush_ms  # noqa: E402
 
 bf = torch.bfloat16
 M, H, I = 16384, 4096, 11008
@@ -81,12 +85,21 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--rounds", type=int, default=3, help="timing turns below 4096 rows (from 4096: two)")
+    ap.add_argument("--clean-flush", action="store_true",
+                    help="also time each backend after a flush that leaves L2 clean")
     ap.add_argument("--busy", type=float, default=0.0,
                     help="seconds of GPU work before each case's timing (default 0)")
     a = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"copy_TBps": bw / 1e12, "patterns": {}}
+    if a.clean_flush:
+        src = torch.empty(1 << 29, dtype=bf, device="cuda").normal_()
+        dst = torch.empty_like(src)
+        clean_bw = 2 * src.numel() * 2 / (clean_flush_ms(lambda: dst.copy_(src), reps=100) * 1e-3)
+        results["copy_clean_flush_TBps"] = clean_bw / 1e12
+        print(f"copy bandwidth, clean flush {clean_bw / 1e12:.2f} TB/s", flush=True)
+        del src, dst
     for m in a.rows:
         for name, (fn, mk, nbytes) in cases(m).items():
             if a.only and name not in a.only:
@@ -114,6 +127,15 @@ def main():
                 row[f"{backend}_ms"] = min(row[f"{backend}_rounds_ms"])
                 row[f"{backend}_frac_floor"] = floor / row[f"{backend}_ms"]
                 row[f"{backend}_mean_ms"] = min(row[f"{backend}_rounds_mean_ms"])
+            if a.clean_flush:
+                for r in range(2):
+                    for backend, f in in_turn(compiled.items(), r):
+                        row.setdefault(f"{backend}_clean_rounds_ms", []).append(
+                            clean_flush_ms(lambda f=f: f(*args)))
+                print("    clean flush (us, % of the floor): " + "  ".join(
+                    f"{b} {min(row[f'{b}_clean_rounds_ms']) * 1e3:.1f} "
+                    f"({floor / min(row[f'{b}_clean_rounds_ms']):.1%})" for b in compiled),
+                      flush=True)
             results["patterns"][f"{name}@{m}"] = row
             if rounds > 1:
                 print("    rounds (us): " + "  ".join(

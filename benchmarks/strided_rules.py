@@ -1,6 +1,7 @@
 """Strided-row launch rules compared on the column-sum cases (GPU).
 
     python benchmarks/strided_rules.py [--out FILE]
+    python benchmarks/strided_rules.py --step TARGET [--rounds N]
 
 Each case of benchmarks/column_sums.py is compiled with the fusion backend once; its strided
 row kernels' ``row_settings`` is then rebound (in each generated module, as the autotuner
@@ -8,6 +9,11 @@ does) to each rule of ``RULES``: at most E elements a program, rows doubled whil
 keeps P programs an SM, W warps (8 at 8192 elements where marked). The kernels' own device time
 per call after an L2 flush (``timing.kernel_times``), us. Session 27 (BENCHMARKS.md) ran it as
 a scratch script; these are its rules.
+
+``--step TARGET`` (as `fusion-compiler bench` takes it) times a whole training step instead:
+the model compiled once, then per rule the step's kernels (profiler, one step after two warm
+ones), summed by category (fusion_compiler.breakdown). Session 28: GPT-2 8 x 512 and BERT
+16 x 256, the code's rule the fastest (below).
 """
 import argparse
 import json
@@ -41,10 +47,63 @@ def rule(elems, per_sm, w8):
     return settings
 
 
+def rebind(params) -> int:
+    """Every generated strided-row module's ``row_settings`` set to the rule ``params``."""
+    count = 0
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", {})
+        if names.get("STRIDED") is True and "row_settings" in names:
+            names["row_settings"] = rule(*params)
+            count += 1
+    return count
+
+
+def training_step(target: str, rounds: int) -> dict:
+    """Per rule, the kernel time (us) of one training step of ``target``, by category."""
+    import collections
+
+    from fusion_compiler import bench
+    from fusion_compiler import breakdown as BD
+    from fusion_compiler.cli import _target_imports, call_factory, load_factory
+
+    torch.manual_seed(0)
+    with _target_imports():
+        factory, where = load_factory(target)
+        model, args, _ = call_factory(factory, where, "cuda", "bfloat16")
+    step = bench._training_step(torch.compile(model, backend="fusion"), model)
+    for _ in range(3):
+        step(*args)
+    results = {}
+    for r in range(rounds):
+        for label, params in RULES.items():
+            modules = rebind(params)
+            for _ in range(2):
+                step(*args)
+            torch.cuda.synchronize()
+            kernels = BD.profile_call(step, args)
+            cats = collections.defaultdict(float)
+            for k in kernels:
+                cats[BD.category(k.name)] += k.duration_us
+            total = sum(k.duration_us for k in kernels)
+            results.setdefault(label, []).append({"total_us": total, **cats})
+            print(f"{r} {label:24s} strided modules {modules:3d}  kernels {len(kernels)}  "
+                  f"total {total:8.1f} us  " + "  ".join(
+                      f"{c} {v:.1f}" for c, v in sorted(cats.items())), flush=True)
+    rebind(RULES["8192/4/w8 (the code's)"])
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--step", default=None, help="time a training step of this target instead")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every rule (--step)")
     a = ap.parse_args()
+    if a.step:
+        results = training_step(a.step, a.rounds)
+        if a.out:
+            Path(a.out).write_text(json.dumps(results, indent=1))
+        return
     busy(2)
     results = {}
     for name, fn, shapes, _ in CS.cases():
@@ -54,10 +113,7 @@ def main():
         fused(*args)
         row = {}
         for label, params in RULES.items():
-            for module in list(sys.modules.values()):   # the generated strided-row modules
-                names = getattr(module, "__dict__", {})
-                if names.get("STRIDED") is True and "row_settings" in names:
-                    names["row_settings"] = rule(*params)
+            rebind(params)                  # the generated strided-row modules
             row[label] = kernel_times(fused, args)["kernel_us"]
         results[name] = row
         print(f"{name:36s} " + "  ".join(f"{k} {v:6.1f}" for k, v in row.items()), flush=True)

@@ -30,13 +30,14 @@ BACKENDS = {"fusion": ("fusion", {"backward_recompute": True}),
             "inductor": ("inductor", None)}
 
 
-def profile_step(target: str, backend: str, options) -> list:
+def profile_step(target: str, backend: str, options, train_mode: bool = False) -> list:
     """(name, start us from the step's first kernel, duration us) of every GPU activity."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     with _target_imports():         # as `fusion-compiler bench` builds it
         factory, where = load_factory(target)
         model, args, _ = call_factory(factory, where, "cuda", "bfloat16")
+    model.train(train_mode)         # the factories build models in eval(): dropout off
     kwargs = {} if options is None else {"options": options}
     step = bench._training_step(torch.compile(model, backend=backend, **kwargs), model)
     for _ in range(3):
@@ -65,13 +66,16 @@ def main() -> int:
     ap.add_argument("target")
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--out")
+    ap.add_argument("--train-mode", action="store_true",
+                    help="model.train(): dropout on (Hugging Face's default p=0.1), as a real "
+                         "training run; the factories' models are in eval mode otherwise")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("training_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     found = {}
     for label in a.backends:
-        found[label] = profile_step(a.target, *BACKENDS[label])
+        found[label] = profile_step(a.target, *BACKENDS[label], a.train_mode)
         report(label, found[label])
     ours, saved = found.get("fusion"), found.get("fusion-save")
     if ours and saved and len(ours) == len(saved):

@@ -29,7 +29,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import cases, copy_bandwidth  # noqa: E402
-from timing import graph_times, kernel_times  # noqa: E402
+from timing import clean_flush_ms, graph_times, kernel_times  # noqa: E402
 
 from fusion_compiler.bench import in_turn  # noqa: E402
 from fusion_compiler.measure import recording  # noqa: E402
@@ -156,6 +156,21 @@ NO_SUM = (r"tl\.sum\(tl\.where\(mask, \w+, 0\.0\), axis=1\)\[:, None\]",
           "tl.full([XBLOCK, 1], 1.0, tl.float32)")
 NO_AMAX = (r"fl\.row_max\(tl\.where\(mask, \w+, float\(\"-inf\"\)\), 1\)\[:, None\]",
            "tl.full([XBLOCK, 1], 1.0, tl.float32)")
+
+
+def streamed(loads=True, stores=True):
+    """The row's loads and the row-sized stores marked evict-first in L1 and L2 (Triton's
+    ``eviction_policy``: ``createpolicy.fractional.L2::evict_first`` and a cache hint on each
+    access, sm_90, CPU): the bytes a row kernel reads and writes once displace other lines of
+    L2 last. do_bench's flush leaves L2 full of dirty lines; evicting them costs writes."""
+    subs = []
+    if loads:
+        subs.append((r"(tl\.load\(in0 \+ \(cols \+ \(\d+ \* rindex\)\), mask=rmask & cmask, other=0)\)",
+                     r'\1, eviction_policy="evict_first")'))
+    if stores:
+        subs.append((r"(tl\.store\(out\d+ \+ \(cols \+ \(\d+ \* rindex\)\), .*?, mask=rmask & cmask)\)",
+                     r'\1, eviction_policy="evict_first")'))
+    return subs
 
 
 def store_early(text):
@@ -419,6 +434,10 @@ VARIANTS = {
         # w1 1008.7, prefetch 1584 1098.2, prefetch 3696 1 row w1 1085.1
         "rows even": [ROWS_EVEN],
         "rows even, 1 row w1": [ROWS_EVEN, rows(1, 1)],
+        # session 28 call 1 (do_bench / kernel, us): generated 1009.6 / 1006.13, evict-first
+        # loads 1033.1 / 1029.71, loads and stores 1039.4 / 1036.08 (Inductor 1008.8)
+        "evict-first loads and stores": streamed(),
+        "evict-first loads": streamed(stores=False),
         # 2 rows on 4 warps: 40 registers (12 blocks an SM); 1 row on 1 warp: 66 (28 blocks)
         "prefetch 1584": [prefetch(1584)],
         "prefetch 3696, 1 row w1": [prefetch(3696), rows(1, 1)],
@@ -462,6 +481,10 @@ VARIANTS = {
         "w2": [rows(1, 2)],
         "rows even": [ROWS_EVEN],
         "w2, rows even": [rows(1, 2), ROWS_EVEN],
+        # session 28 call 1 (do_bench / kernel, us): generated 52.5 / 49.20, evict-first
+        # loads 53.8 / 50.21, loads and stores 54.6 / 51.36
+        "evict-first loads and stores": streamed(),
+        "evict-first loads": streamed(stores=False),
         # 72 registers (7 blocks of 128 threads an SM, 132 SMs); 64: 8 blocks, no spills
         "prefetch 924": [prefetch(924)],
         "prefetch 1056, maxnreg 64": [prefetch(1056), maxnreg(64)],
@@ -536,6 +559,15 @@ VARIANTS = {
         "tma, persistent 7/SM, 3 stages": [tma(3, 7)],
         "tma, persistent 4/SM, 3 stages": [tma(3, 4)],
         "tma, persistent 8/SM, 2 stages, tma store": [tma(2, 8, True)],
+        # session 28 call 1 (do_bench / kernel, us, 6 rounds): generated 53.3 / 51.38, evict-
+        # first loads 54.3 / 51.34, stores 53.3 / 51.28, both 55.0 / 52.16, both + maxnreg 48
+        # 55.5 / 52.32, maxnreg 48 alone 53.1 / 50.42. Call 5 (do_bench / after a clean flush,
+        # --clean-flush): generated 53.4 / 48.77, maxnreg 48 53.2 / 48.14, gluon 53.2 / 46.94,
+        # no reductions 52.2 / 46.13: the faster kernels gain after a clean flush only
+        "evict-first loads": streamed(stores=False),
+        "evict-first stores": streamed(loads=False),
+        "evict-first loads and stores": streamed(),
+        "evict-first loads and stores, maxnreg 48": [*streamed(), maxnreg(48)],
         "plain max, no scaling factor (gluon's control)": [
             TL_MAX, (r"fl\.div_shared\((\w+), \w+, (\w+)\)", r"(\1 * \2)")],
     },
@@ -585,6 +617,9 @@ def main():
                     help="also the GPU's time per call of calls captured in a CUDA graph and run "
                          "back to back, no flush (timing.graph_times: inputs warm in L2, as in a "
                          "model whose kernels feed each other)")
+    ap.add_argument("--clean-flush", action="store_true",
+                    help="also do_bench's event pair after a flush that leaves L2 clean "
+                         "(timing.clean_flush_ms): no write-back of do_bench's dirty lines")
     ap.add_argument("--kernel-time", action="store_true",
                     help="also the kernels' own device time per call after an L2 flush "
                          "(profiler): small sizes, where do_bench's timer and host delays blur")
@@ -660,6 +695,10 @@ def main():
         for r in range(a.rounds if a.kernel_time else 0):
             for label, f in in_turn(timed.items(), r):
                 kernel_us.setdefault(label, []).append(kernel_times(lambda f=f: f(), ())["kernel_us"])
+        clean = {}
+        for r in range(a.rounds if a.clean_flush else 0):
+            for label, f in in_turn(timed.items(), r):
+                clean.setdefault(label, []).append(clean_flush_ms(f))
         gcall = {}
         for r in range(a.rounds if a.graph else 0):
             for label, f in in_turn(timed.items(), r):
@@ -684,6 +723,10 @@ def main():
                 kt = f"  kernel {min(kernel_us[label]):6.2f} us"
                 if len(kernel_us[label]) > 2:
                     kt += f" (median {statistics.median(kernel_us[label]):6.2f})"
+            if label in clean:
+                row[label].update(clean_ms=min(clean[label]), clean_rounds_ms=clean[label])
+                kt += (f"  clean flush {min(clean[label]) * 1e3:6.2f} us "
+                       f"({100 * floor_ms / min(clean[label]):5.1f}%)")
             if label in gcall:
                 row[label].update(gcall_us=min(gcall[label]), gcall_rounds_us=gcall[label])
                 kt += f"  back to back {min(gcall[label]):6.2f} us"

@@ -73,9 +73,10 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
     46.0 / 29.2 / 28.3, 192 21.8 / 15.9 / 14.0, 384 29.5 / 11.2 / 9.0, 768 9.0 / 9.0 / 9.0.
     Since the rows load in 16-byte vectors (a literal row count in the mask, session 27): this
     rule 24.2 / 13.1 / 9.0 / 8.3, the sweep's best 22.1 / 10.8 / 7.4 / 6.9 (4 warps, more rows
-    a program). Not retuned: 16384 elements at 1.5 programs an SM on 4 warps took GPT-2's
-    training step's fused kernels from 1700 to 2316 us; 8192 at 1.5 on 4 warps was as fast or
-    faster on ConvNeXt and on the column sums alone but has not run on a whole step.
+    a program). Kept on whole training steps (benchmarks/strided_rules.py --step, fused
+    kernels per step, us; this rule / 8192 at 1.5 programs an SM on 4 warps / 16384 at 1.5 on
+    4 / 16384 at 4 on 4): GPT-2 8 x 512 1680 / 1758 / 2331 / 2319, BERT 16 x 256 1642 / 1847 /
+    2186 / 2019, though 8192 at 1.5 was as fast or faster on ConvNeXt and the column sums alone.
 
     A grid of at most 4 programs per SM gets twice the warps (4 -> 8 for rows of 4096): with
     few rows in flight, more warps per row keep more loads in flight. add+RMSNorm over rows of

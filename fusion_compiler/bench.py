@@ -208,7 +208,8 @@ class _null:
 
 def _training_step(f, model):
     """forward, backward of a mean-square loss over the outputs that need grad, and (for a
-    module) an SGD step with zeroed gradients: a whole training step."""
+    module) an SGD step with zeroed gradients: a whole training step. The module stays in the
+    mode it came in (the examples' factories build it in eval(): no dropout)."""
     params = [p for p in model.parameters() if p.requires_grad] if isinstance(
         model, torch.nn.Module) else []
     opt = torch.optim.SGD(params, lr=1e-6, foreach=True) if params else None

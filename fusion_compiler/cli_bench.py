@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
                         "fusion-save (-cg: CUDA graphs, mode='reduce-overhead'; fusion-save: "
                         "training graphs save what the backward reads, no recompute); default: "
                         "eager,inductor,fusion")
-    b.add_argument("--mode", choices=("inference", "training"), default="inference")
+    b.add_argument("--mode", choices=("inference", "training"), default="inference",
+                   help="training: forward, backward and an SGD step, the model in the mode its "
+                        "factory left it (the examples' factories: eval(), so dropout is off)")
     b.add_argument("--rows", type=int, help="rows of the patterns (default: the anchor sizes)")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     b.add_argument("--breakdown", action="store_true",
