@@ -243,6 +243,9 @@ def test_dropout_in_training_matches_eager_with_the_same_seed(device):
         assert_close(x.grad, y.grad, atol=1e-5, rtol=1e-4, name=f"grad {name}")
     assert kernel_count(reports, "forward") >= 1 and kernel_count(reports, "backward") >= 1
     assert "aten.native_dropout.default" in leftover_aten(reports, "forward")
+    (forward,) = [r for r in reports if r.kind == "forward"]
+    reasons = {a["op"]: a["reason"] for a in forward.summary["aten_ops"]}
+    assert reasons["native_dropout"].startswith("dropout: ATen's own kernel"), reasons
     dropped = (out.detach() == 0).float().mean().item()
     assert 0.0 <= dropped < 1.0
 
