@@ -23,26 +23,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import FLUSH_BYTES  # noqa: E402
+from timing import FLUSH_BYTES, clean_flush, flushed_times  # noqa: E402
 
 from fusion_compiler import patterns as P  # noqa: E402
 
 
 def timed(fn, flush, reps):
     """(median, 10% quantile) in us of ``fn()`` between two events, each call after ``flush()``."""
-    for _ in range(20):
-        flush()
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        flush()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) * 1e3 for start, end in events)
+    times = sorted(t * 1e3 for t in flushed_times(fn, flush, reps))
     return statistics.median(times), times[len(times) // 10]
 
 
@@ -51,12 +39,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=300)
     a = ap.parse_args()
-    cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    out = torch.empty((), dtype=torch.float32, device="cuda")
-
-    def clean():
-        torch.sum(cache, dim=0, out=out)
-
+    cache = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    clean = clean_flush(cache)
     flushes = {"dirty (do_bench's zero_)": cache.zero_, "clean (a read of 256 MB)": clean,
                "dirty, then clean": lambda: (cache.zero_(), clean()), "none": lambda: None}
     x = torch.randn(16384, 4096, device="cuda").to(torch.bfloat16)

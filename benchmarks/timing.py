@@ -34,24 +34,35 @@ def _is_flush(name: str) -> bool:
     return any(w in name for w in _FLUSH_NAMES)
 
 
-def clean_flush_ms(f, reps: int = 200, warmup: int = 20) -> float:
-    """Median ms of ``f()`` between two events, each call after a 256 MB L2 flush that leaves
-    clean lines (a sum over the buffer, where do_bench zeroes it)."""
-    cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    out = torch.empty((), dtype=torch.float32, device="cuda")
+def flushed_times(f, flush, reps: int = 200, warmup: int = 20) -> list:
+    """ms of each of ``reps`` calls of ``f()`` between two events, each call after ``flush()``
+    (do_bench's event pair, with the flush given)."""
     for _ in range(warmup):
-        torch.sum(cache, dim=0, out=out)
+        flush()
         f()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
     for start, end in events:
-        torch.sum(cache, dim=0, out=out)
+        flush()
         start.record()
         f()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def clean_flush(cache: torch.Tensor):
+    """A flush of ``cache``'s bytes out of L2 that leaves clean lines: a sum over it."""
+    out = torch.empty((), dtype=cache.dtype, device=cache.device)
+    return lambda: torch.sum(cache, dim=0, out=out)
+
+
+def clean_flush_ms(f, reps: int = 200, warmup: int = 20) -> float:
+    """Median ms of ``f()`` between two events, each call after a 256 MB L2 flush that leaves
+    clean lines (a sum over the buffer, where do_bench zeroes it)."""
+    cache = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    return statistics.median(flushed_times(f, clean_flush(cache), reps, warmup))
 
 
 def kernel_times(f, args, calls: int = 30) -> dict:
