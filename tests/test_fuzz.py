@@ -5,7 +5,8 @@ ops with broadcasting operands (incl. 0-dim tensors and Python scalars), dtype c
 (reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand, rolls), ``gather`` and
 ``index_select`` along a dim
 by an index made from constants, ``cat`` along the last dim, last-dim reductions
-(sum/mean/amax/amin, keepdim or not, then broadcast back; softmax) and
+(sum/mean/amax/amin, keepdim or not, then broadcast back; softmax), sums over leading dims
+(``passes/column_sums``: split sums of strided rows; maybe scaled first, broadcast back) and
 now and then an op that stays on ATen (cumsum) -- over random shapes (odd sizes included),
 dtypes (fp32/fp16/bf16, mixed), input layouts (contiguous, transposed, sliced, offset,
 expanded) and FUSION_COMPILER_MAX_PERSISTENT_BLOCK (small values make rows use the looped
@@ -15,7 +16,8 @@ runnable reproducer. Each program runs eagerly and compiled with ``fullgraph=Tru
 * every output matches eager (shape, dtype, NaN positions, values within tolerance) and has
   eager's strides, or (where PyTorch's fake tensors disagree with eager) the traced graph's;
 * at least one kernel was generated when a live pointwise/reduction/cat op exists;
-* no pointwise/reduction/cat ATen op is left unfused unless ``groups_not_generated`` says why;
+* no pointwise/reduction/cat ATen op is left unfused unless ``groups_not_generated`` says why
+  (or, for a sum over leading dims, the dump's reason from ``column_sums.why_left``);
 * no generated kernel reads, after a loop, a value only the loop assigns (Triton rejects that on
   the GPU; the interpreter, plain Python, would run it).
 
@@ -339,6 +341,28 @@ class _Builder:
         }[kind]
         return self.add(kind, expr, [a], bound)
 
+    def column_sum(self, a):
+        """A sum over leading dims, as a bias's or a norm weight's gradient (passes/column_sums:
+        a split sum of strided rows), maybe first scaled by 1/rows so that long sums stay in
+        range, maybe then broadcast back against the tensor it summed."""
+        d = self.draw
+        sa = self.shape(a)
+        k = d(st.integers(1, len(sa) - 1))
+        dims = tuple(range(k))
+        rows = _numel(sa[:k])
+        if d(st.booleans()):
+            scale = 2.0 ** -max(rows.bit_length() - 1, 0)      # exact in every dtype
+            a = self.add("mul", f"{a} * {scale!r}", [a, None], self.bound(a) * scale,
+                         {"scalar": scale}) or a
+        spelled = repr(dims[0]) if k == 1 and d(st.booleans()) else repr(dims)
+        keepdim = d(st.booleans())
+        expr = f"{a}.sum({spelled}" + (", keepdim=True)" if keepdim else ")")
+        r = self.add("colsum", expr, [a], self.bound(a) * rows, {"dims": dims})
+        if r is None or not d(st.booleans()):
+            return r
+        return self.add("div", f"{a} / (torch.abs({r}) + 0.5)", [a, r], 2 * self.bound(a),
+                        {"scalar": None})
+
     def binary(self, a):
         d = self.draw
         kind = d(st.sampled_from(["add", "sub", "mul", "div", "maximum", "minimum", "where"]))
@@ -376,6 +400,8 @@ class _Builder:
         sa = self.shape(a)
         if len(sa) == 0:
             return None
+        if len(sa) >= 2 and _rare(d, 3):
+            return self.column_sum(a)
         kind = d(st.sampled_from(["sum", "mean", "amax", "amin", "softmax"]))
         keepdim = d(st.booleans())
         dim = d(st.sampled_from([-1, len(sa) - 1]))
@@ -664,6 +690,14 @@ def error_bound(prog: Program, vals: dict) -> dict:
             err = _mx(y) * (math.expm1(min(2 * ein, 50.0))
                             + (n / 8 + math.log2(n + 1) + 8) * 2 * UNIT[torch.float32]) \
                 + 2 * _flip(y, 1)
+        elif k == "colsum":
+            x, dims = ins[0], op.params["dims"]
+            n = _numel(x.shape[:len(dims)])
+            # a drift of every element adds up over the rows; the split sum reduces in
+            # another order than eager (fp32 partials of 128 rows, then their total)
+            col_abs = _mx(x.double().abs().nan_to_num(0.0).sum(dims))
+            err = (ein * n + (n / 8 + math.log2(n + 1) + 2) * 2 * UNIT[torch.float32] * col_abs
+                   + 2 * _flip(y, 1))
         elif k in ("sum", "mean", "cumsum"):
             x = ins[0]
             n = x.shape[-1] if x.ndim else 1
@@ -779,6 +813,13 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
     explained = {t for r in reports for ops, _ in r.groups_not_generated for t in ops}
     unexplained = [t for t in leftover_aten(reports)
                    if _fused_name(t) in FUSED_OP_NAMES and t not in explained]
+    # a sum over leading dims that passes/column_sums declined (dims that are no view of one)
+    # says why: the dump's reason for it (column_sums.why_left)
+    for a in [a for r in reports for a in (r.summary or {}).get("aten_ops", [])
+              if a["reason"].startswith("sum over leading dims:")]:
+        if "aten.sum.dim_IntList" in unexplained:
+            note(f"column sum left on ATen: {a['reason']}")
+            unexplained.remove("aten.sum.dim_IntList")
     assert not unexplained, (f"fusable ATen ops left unfused without a reason: {unexplained}; "
                              f"decisions: {[r.decisions for r in reports]}")
     return reports
