@@ -29,11 +29,18 @@ approximated differently, sums reduce in another order) add a few ulps, which la
 amplify (exp, division, products, sums over a row, a ``where`` whose comparison flips). A
 program of exact ops is compared at plain ``TOL``.
 
+``test_fuzz_gradients`` trains the programs one step: fp32 programs without NaN or tied inputs
+and without ops whose derivative jumps (abs, relu, max/min, where, amax/amin: a value computed
+a few ulps apart would take the other branch), forward and backward compiled against eager,
+every input's gradient of a random weighting of the outputs compared to 1e-3 of the largest
+one's magnitude; no graph may fall back to ATen or drop a group it formed. That covers the
+backward graphs: column sums of broadcast operands, the totals merge, recomputed forward values.
+
 Open compiler bugs have xfail regression tests at the end of this file; the fuzzer can still
 draw programs that hit them, and ``check_program`` assume()s those away (``KNOWN_BUGS``).
 
 Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); with CI set the run is
-derandomized. ``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
+derandomized (``test_fuzz_gradients``: 20). ``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
 FUSION_FUZZ_EXAMPLES or 2000 examples. With FUSION_FUZZ_LOG=path each program that passed
 appends a line there (counts of runs cut short, e.g. many processes under a time limit). ``test_fuzz_masked_rows`` draws masked safe softmaxes
 (``scalar_tensor`` fill, ``any`` over the mask, ``full_like`` zeros: SDPA's math form) over
@@ -53,6 +60,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
+import fusion_compiler
 from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -221,16 +229,20 @@ class _Val:
 class _Builder:
     """Draws one program, op by op; every op's result is checked on meta tensors."""
 
-    def __init__(self, draw):
+    def __init__(self, draw, grad: bool = False):
         self.draw = draw
-        self.dtype = draw(st.sampled_from(DTYPES))
+        # grad: programs whose gradients are compared (test_fuzz_gradients): fp32 throughout,
+        # no NaN or tied inputs, and only ops whose derivative has no jump where a value
+        # computed a few ulps apart could land on its other side
+        self.grad = grad
+        self.dtype = torch.float32 if grad else draw(st.sampled_from(DTYPES))
         self.inputs, self.ops, self.vals = [], [], {}
 
     # -- values
     def new_input(self, shape) -> str:
         d = self.draw
         shape = tuple(shape)
-        dtype = d(st.sampled_from(DTYPES)) if _rare(d, 5) else self.dtype
+        dtype = d(st.sampled_from(DTYPES)) if _rare(d, 5) and not self.grad else self.dtype
         layouts = ["contiguous"] * 4
         if len(shape) >= 2:
             layouts.append("transposed")
@@ -240,7 +252,8 @@ class _Builder:
             layouts.append("expanded")
         spec = InputSpec(f"x{len(self.inputs)}", shape, dtype, d(st.sampled_from(layouts)),
                          d(st.sampled_from([1.0, 1.0, 3.0, 0.25])),
-                         d(st.sampled_from(["randn"] * 6 + ["quantized", "nan"])))
+                         d(st.sampled_from(["randn"] * 6 + ([] if self.grad
+                                                             else ["quantized", "nan"]))))
         self.inputs.append(spec)
         stride = make_tensor(shape, torch.float32, spec.layout, device="cpu").stride()
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
@@ -321,8 +334,8 @@ class _Builder:
     # -- ops
     def unary(self, a):
         d = self.draw
-        kind = d(st.sampled_from(["neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
-                                  "relu", "cast"]))
+        kind = d(st.sampled_from(["neg", "exp", "tanh", "sigmoid", "rsqrt", "sqrt"]
+                                 + ([] if self.grad else ["abs", "relu", "cast"])))
         b = self.bound(a)
         if kind == "cast":
             dtype = d(st.sampled_from(DTYPES))
@@ -365,7 +378,8 @@ class _Builder:
 
     def binary(self, a):
         d = self.draw
-        kind = d(st.sampled_from(["add", "sub", "mul", "div", "maximum", "minimum", "where"]))
+        kind = d(st.sampled_from(["add", "sub", "mul", "div"]
+                                 + ([] if self.grad else ["maximum", "minimum", "where"])))
         ba = self.bound(a)
         if kind == "where":
             c_expr, c, _ = self.other(a, lift_a=False)
@@ -402,7 +416,8 @@ class _Builder:
             return None
         if len(sa) >= 2 and _rare(d, 3):
             return self.column_sum(a)
-        kind = d(st.sampled_from(["sum", "mean", "amax", "amin", "softmax"]))
+        kind = d(st.sampled_from(["sum", "mean", "softmax"]
+                                 + ([] if self.grad else ["amax", "amin"])))
         keepdim = d(st.booleans())
         dim = d(st.sampled_from([-1, len(sa) - 1]))
         expr = f"{a}.{kind}({dim}" + (", keepdim=True)" if keepdim else ")")
@@ -415,7 +430,7 @@ class _Builder:
         if r is None or not d(st.booleans()):
             return r
         # broadcast the reduction back against the tensor it reduced (normalisation patterns)
-        back = d(st.sampled_from(["sub", "div", "mul", "add", "maximum"]))
+        back = d(st.sampled_from(["sub", "div", "mul", "add"] + ([] if self.grad else ["maximum"])))
         rb = r if keepdim else f"{r}.unsqueeze(-1)"
         ba, br = self.bound(a), self.bound(r)
         if back == "div":
@@ -553,9 +568,10 @@ class _Builder:
 
 
 @st.composite
-def programs(draw):
-    """A random program over 1..MAX_OPS ops (see the module docstring)."""
-    b = _Builder(draw)
+def programs(draw, grad: bool = False):
+    """A random program over 1..MAX_OPS ops (see the module docstring); ``grad``: one whose
+    gradients test_fuzz_gradients compares (_Builder)."""
+    b = _Builder(draw, grad)
     rank = draw(st.sampled_from([2, 2, 1, 3]))
     shape = []
     for _ in range(rank):
@@ -903,6 +919,60 @@ def _examples(default: int) -> int:
 
 def test_fuzz_programs():
     given(programs())(_fuzz_settings(_examples(40))(check_program))()
+
+
+def check_gradients(prog: Program):
+    """Forward and backward, eager and compiled (fp32 programs, _Builder's ``grad``): every
+    input's gradient of a random weighting of the outputs matches eager's, and no graph fell
+    back to ATen or dropped a group it formed. Sums reduce in another order and
+    transcendentals are approximated differently, which the division and exp of a program may
+    amplify: gradients are compared to 1e-3 of the largest one's magnitude."""
+    note(repr(prog))
+    fn = prog.build()
+    args = prog.make_inputs()
+    gen = torch.Generator().manual_seed(prog.seed)
+
+    def run(f, leaves):
+        outs = f(*leaves)
+        weights = [torch.randn(o.shape, generator=gen).to(o.device) for o in outs]
+        loss = sum((o * w).sum() for o, w in zip(outs, weights))
+        loss.backward()
+        return outs
+
+    ref = [a.detach().clone().requires_grad_() for a in args]
+    ours = [a.detach().requires_grad_() for a in args]      # the inputs' own strides
+    gen.manual_seed(prog.seed)
+    expected = run(fn, ref)
+    torch._dynamo.reset()
+    gen.manual_seed(prog.seed)
+    with _max_block(prog.max_block), _split_rows(prog.split), \
+            fusion_compiler.capture_compiles() as reports:
+        actual = run(torch.compile(fn, backend="fusion", fullgraph=True), ours)
+    for name, a, e in zip(prog.outputs, actual, expected):
+        scale = max(_mx(e), 1.0)
+        assert_close(a.detach(), e.detach(), atol=1e-4 * scale, rtol=1e-4, name=name)
+    if any(op.compute for op in prog.live_ops()):      # else the outputs may alias the inputs
+        assert {r.kind for r in reports} >= {"forward", "backward"}, [r.kind for r in reports]
+    errors = [(r.kind, r.error) for r in reports if r.error]
+    assert not errors, f"graphs run on ATen after a compiler error: {errors}"
+    dropped = [(r.kind, ops, why) for r in reports for ops, why in r.groups_not_generated
+               if len(ops) > 1]
+    assert not dropped, f"groups of several ops formed but not generated: {dropped}"
+    for spec, x, y in zip(prog.inputs, ours, ref):
+        if y.grad is None:
+            assert x.grad is None or not x.grad.any(), f"{spec.name}: a gradient eager has not"
+            continue
+        scale = max(_mx(y.grad), 1e-3)
+        assert_close(x.grad, y.grad, atol=1e-3 * scale, rtol=1e-3, name=f"grad of {spec.name}")
+    if os.environ.get("FUSION_FUZZ_LOG"):
+        with open(os.environ["FUSION_FUZZ_LOG"], "a") as log:
+            log.write("grad ok\n")
+
+
+def test_fuzz_gradients():
+    """Random fp32 programs trained one step: the backward graphs (column sums of broadcast
+    operands, the totals merge, recomputed forward values) against eager's gradients."""
+    given(programs(grad=True))(_fuzz_settings(_examples(20))(check_gradients))()
 
 
 @pytest.mark.slow
