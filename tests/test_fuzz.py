@@ -30,8 +30,8 @@ amplify (exp, division, products, sums over a row, a ``where`` whose comparison 
 program of exact ops is compared at plain ``TOL``.
 
 ``test_fuzz_gradients`` trains the programs one step: fp32 programs without NaN or tied inputs
-and without ops whose derivative jumps (abs, relu, max/min, where, amax/amin: a value computed
-a few ulps apart would take the other branch), forward and backward compiled against eager,
+and with ops whose derivative jumps (abs, relu, max/min, where, amax/amin) on inputs only (a
+value computed a few ulps apart could take the other branch), forward and backward compiled against eager,
 every input's gradient of a random weighting of the outputs compared to 1e-3 of the largest
 one's magnitude; no graph may fall back to ATen or drop a group it formed. That covers the
 backward graphs: column sums of broadcast operands, the totals merge, recomputed forward values.
@@ -232,8 +232,7 @@ class _Builder:
     def __init__(self, draw, grad: bool = False):
         self.draw = draw
         # grad: programs whose gradients are compared (test_fuzz_gradients): fp32 throughout,
-        # no NaN or tied inputs, and only ops whose derivative has no jump where a value
-        # computed a few ulps apart could land on its other side
+        # no NaN or tied inputs, and ops whose derivative jumps only on inputs (_jumps_ok)
         self.grad = grad
         self.dtype = torch.float32 if grad else draw(st.sampled_from(DTYPES))
         self.inputs, self.ops, self.vals = [], [], {}
@@ -262,6 +261,13 @@ class _Builder:
 
     def names(self):
         return list(self.vals)
+
+    def _jumps_ok(self, name) -> bool:
+        """Whether an op whose derivative jumps (abs, relu, max/min, where's comparison, amax)
+        may take ``name``: always, unless gradients are compared (``grad``); then only an
+        input or a scalar (None), whose values eager and the kernels share bit for bit, so
+        that neither side lands on the other side of the jump."""
+        return not self.grad or name is None or re.fullmatch(r"x\d+", name) is not None
 
     def pick(self) -> str:
         """A value, preferring recent ones (shrinks toward the latest: a chain)."""
@@ -335,7 +341,8 @@ class _Builder:
     def unary(self, a):
         d = self.draw
         kind = d(st.sampled_from(["neg", "exp", "tanh", "sigmoid", "rsqrt", "sqrt"]
-                                 + ([] if self.grad else ["abs", "relu", "cast"])))
+                                 + (["abs", "relu"] if self._jumps_ok(a) else [])
+                                 + ([] if self.grad else ["cast"])))
         b = self.bound(a)
         if kind == "cast":
             dtype = d(st.sampled_from(DTYPES))
@@ -379,18 +386,23 @@ class _Builder:
     def binary(self, a):
         d = self.draw
         kind = d(st.sampled_from(["add", "sub", "mul", "div"]
-                                 + ([] if self.grad else ["maximum", "minimum", "where"])))
+                                 + (["maximum", "minimum", "where"] if self._jumps_ok(a)
+                                    else [])))
         ba = self.bound(a)
         if kind == "where":
             c_expr, c, _ = self.other(a, lift_a=False)
             y_expr, y, _ = self.other(a, allow_scalar=_rare(d, 4), lift_a=False)
             cmp = d(st.sampled_from(COMPARES))
+            if not self._jumps_ok(c):
+                return None
             expr = f"torch.where({a} {cmp} {c_expr}, {a}, {y_expr})"
             bound = max(ba, self.bound(y) if y else abs(float(y_expr)))
             return self.add("where", expr, [a, c and c_expr, y and y_expr], bound,
                             {"cmp": cmp, "c_scalar": None if c else float(c_expr),
                              "y_scalar": None if y else float(y_expr)})
         b_expr, b, a = self.other(a, allow_scalar=kind not in ("maximum", "minimum"))
+        if kind in ("maximum", "minimum") and not self._jumps_ok(b):
+            return None
         s = None if b else float(b_expr)
         bb = self.bound(b) if b else abs(s)
         swap = kind in ("sub", "div") and _rare(d, 3)   # scalar - tensor is aten.rsub
@@ -417,7 +429,7 @@ class _Builder:
         if len(sa) >= 2 and _rare(d, 3):
             return self.column_sum(a)
         kind = d(st.sampled_from(["sum", "mean", "softmax"]
-                                 + ([] if self.grad else ["amax", "amin"])))
+                                 + (["amax", "amin"] if self._jumps_ok(a) else [])))
         keepdim = d(st.booleans())
         dim = d(st.sampled_from([-1, len(sa) - 1]))
         expr = f"{a}.{kind}({dim}" + (", keepdim=True)" if keepdim else ")")
