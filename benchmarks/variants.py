@@ -163,13 +163,13 @@ def streamed(loads=True, stores=True):
     ``eviction_policy``: ``createpolicy.fractional.L2::evict_first`` and a cache hint on each
     access, sm_90, CPU): the bytes a row kernel reads and writes once displace other lines of
     L2 last. do_bench's flush leaves L2 full of dirty lines; evicting them costs writes."""
+    row = r"\(cols \+ \(\d+ \* rindex\)\)"
+    hint = r'\1, eviction_policy="evict_first")'
     subs = []
     if loads:
-        subs.append((r"(tl\.load\(in0 \+ \(cols \+ \(\d+ \* rindex\)\), mask=rmask & cmask, other=0)\)",
-                     r'\1, eviction_policy="evict_first")'))
+        subs.append((rf"(tl\.load\(in0 \+ {row}, mask=rmask & cmask, other=0)\)", hint))
     if stores:
-        subs.append((r"(tl\.store\(out\d+ \+ \(cols \+ \(\d+ \* rindex\)\), .*?, mask=rmask & cmask)\)",
-                     r'\1, eviction_policy="evict_first")'))
+        subs.append((rf"(tl\.store\(out\d+ \+ {row}, .*?, mask=rmask & cmask)\)", hint))
     return subs
 
 

@@ -43,7 +43,8 @@ def aten_reason(node, config=None) -> str:
     if base == "native_dropout":
         # no generated kernel makes random numbers: ATen's draws eager's mask for a seed, and
         # writes the output and the mask in one pass
-        return "dropout: ATen's own kernel (eager's random mask for a seed; output and mask in one pass)"
+        return ("dropout: ATen's own kernel (eager's random mask for a seed; output and mask "
+                "in one pass)")
     if base in ("sum", "mean", "amax", "amin"):
         src = node.args[0].meta.get("fc_tensor") if node.args else None
         if src is not None and (not src.dtype.is_floating_point

@@ -29,19 +29,20 @@ approximated differently, sums reduce in another order) add a few ulps, which la
 amplify (exp, division, products, sums over a row, a ``where`` whose comparison flips). A
 program of exact ops is compared at plain ``TOL``.
 
-``test_fuzz_gradients`` trains the programs one step: fp32 programs without NaN or tied inputs
-and with ops whose derivative jumps (abs, relu, max/min, where, amax/amin) on inputs only (a
-value computed a few ulps apart could take the other branch), forward and backward compiled against eager,
-every input's gradient of a random weighting of the outputs compared to 1e-3 of the largest
-one's magnitude; no graph may fall back to ATen or drop a group it formed. That covers the
-backward graphs: column sums of broadcast operands, the totals merge, recomputed forward values.
+``test_fuzz_gradients`` trains the programs one step: fp32 programs without NaN or tied
+inputs, the ops whose derivative jumps (abs, relu, max/min, where, amax/amin) on inputs only (a
+value computed a few ulps apart could take the other branch); forward and backward compiled
+against eager, every input's gradient of a random weighting of the outputs compared to 1e-3 of
+the largest one's magnitude; no graph may fall back to ATen or drop a group it formed. That
+covers the backward graphs: column sums of broadcast operands, the totals merge, recomputed
+forward values.
 
 Open compiler bugs have xfail regression tests at the end of this file; the fuzzer can still
 draw programs that hit them, and ``check_program`` assume()s those away (``KNOWN_BUGS``).
 
-Examples: FUSION_FUZZ_EXAMPLES (default 40, deadline off); with CI set the run is
-derandomized (``test_fuzz_gradients``: 20). ``test_fuzz_programs_slow`` (``pytest -m slow`` or FUSION_FUZZ_SLOW=1) runs
-FUSION_FUZZ_EXAMPLES or 2000 examples. With FUSION_FUZZ_LOG=path each program that passed
+Examples: FUSION_FUZZ_EXAMPLES (default 40; ``test_fuzz_gradients`` 20; deadline off); with CI
+set the run is derandomized. ``test_fuzz_programs_slow`` (``pytest -m slow`` or
+FUSION_FUZZ_SLOW=1) runs FUSION_FUZZ_EXAMPLES or 2000 examples. With FUSION_FUZZ_LOG=path each program that passed
 appends a line there (counts of runs cut short, e.g. many processes under a time limit). ``test_fuzz_masked_rows`` draws masked safe softmaxes
 (``scalar_tensor`` fill, ``any`` over the mask, ``full_like`` zeros: SDPA's math form) over
 random rows, lengths, dtypes and fully masked rows; FUSION_FUZZ_EXAMPLES or 25.
@@ -442,7 +443,8 @@ class _Builder:
         if r is None or not d(st.booleans()):
             return r
         # broadcast the reduction back against the tensor it reduced (normalisation patterns)
-        back = d(st.sampled_from(["sub", "div", "mul", "add"] + ([] if self.grad else ["maximum"])))
+        back = d(st.sampled_from(["sub", "div", "mul", "add"]
+                                 + ([] if self.grad else ["maximum"])))
         rb = r if keepdim else f"{r}.unsqueeze(-1)"
         ba, br = self.bound(a), self.bound(r)
         if back == "div":
