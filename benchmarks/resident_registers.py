@@ -1,4 +1,4 @@
-"""Registers and spill instructions of resident row kernels (codegen/render.py's
+"""Registers and spill instructions of resident row kernels (codegen/kernel_source.py's
 ``_resident_kernel``), compiled for sm_90 on the CPU: the measurements behind
 ``launch.RESIDENT_VALUES``, the register estimate that sends a row to the looped kernel.
 

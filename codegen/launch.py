@@ -57,7 +57,7 @@ FEW_PROGRAMS_PER_SM = 4     # at most this many programs per SM: a grid bound by
 def few_programs(grid: int) -> bool:
     """Whether a grid of ``grid`` programs has at most ``FEW_PROGRAMS_PER_SM`` per SM (528 on
     the H200): its programs wait on memory latency more than they share the bandwidth, so each
-    should have its loads in flight early (row kernels: HOIST, codegen/render.py)."""
+    should have its loads in flight early (row kernels: HOIST, codegen/kernel_source.py)."""
     return grid <= FEW_PROGRAMS_PER_SM * _sm_count()
 
 
@@ -100,7 +100,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
 
 # a row longer than a persistent program's block, short enough to stay in registers, is held
 # by one program as static chunks of RESIDENT_RBLOCK columns on RESIDENT_WARPS warps (the
-# resident kernel, codegen/render.py): read once, where a looped kernel reads it once a pass.
+# resident kernel, codegen/kernel_source.py): read once, where a looped kernel reads it once a pass.
 # H200, one program a row, kernel time after an L2 flush (benchmarks/resident_variants.py),
 # us: softmax 4096 x 50257 273 (13 chunks of 4096 on 32 warps; eager 361, the looped kernel
 # 410, Inductor 561), 8192 x 30522 383 (looped 463), 2048 x 32768 93 (looped 98); chunks of

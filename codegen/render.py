@@ -1,5 +1,6 @@
-"""Render a lowered kernel as Triton source: the jit kernel(s), and the module around them with
-the host launcher (codegen/launcher.py).
+"""The Triton module of one fused group: which kernels it has (pointwise, persistent, looped or
+resident, split stages, multi-part), their source (codegen/kernel_source.py), and the host
+launcher around them (codegen/launcher.py).
 
 The layout follows the Triton tutorials (02-fused-softmax, 05-layer-norm): one program per block
 of rows (row kernels) or per block of elements (pointwise kernels), masks on every load and
@@ -7,30 +8,18 @@ store, fp32 math, a header comment naming the fused ops and the estimated bytes.
 """
 from __future__ import annotations
 
-import math
-import re
-
 import sympy
-import torch
 
 from . import launch as rules
-from . import ops
-from .indexing import affine_coeffs, coalesce, flatten_index, print_expr, step_divisors
 from .kernel_ir import KernelIR, NotFusable, ref_id
-from .launcher import checks_indices, py_expr, render_launcher
+from .kernel_source import render_kernel
+from .launcher import render_launcher
 from .lower import Lowering, iteration_space
-from .lowered import COL, GATHERS, LoweredKernel
+from .lowered import GATHERS
 from .multipart import split
-from .resident import NotHeld, resident_phases
-from .row_loops import (RED_FINAL, RED_INIT, column_loop, evicting, partial_slots, row_result,
-                        split_phases)
-from .statements import (all_stores, late_loads, loads_first, select_preds, store_value,
-                         strided_rows)
-
-XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
-RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
-COLS = sympy.Symbol("cols", integer=True, nonnegative=True)
-COL0 = sympy.Symbol("col0", integer=True, nonnegative=True)     # a loop step's first column
+from .resident import NotHeld
+from .row_loops import partial_slots
+from .statements import late_loads, strided_rows
 
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
@@ -48,7 +37,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     strided = False         # its rows' elements lie apart, consecutive rows side by side
     partials = 0            # a looped kernel's reductions: the split stages' partials a row
     if kind == "pointwise":
-        kernels.append(("pointwise", _render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
+        kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
         n = shape[-1]
         fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
@@ -56,7 +45,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             lk = Lowering(ir, hints, True).run()
             late = late_loads(lk)
             strided = strided_rows(lk)
-            kernels.append(("persistent", _render_kernel(lk, "_persistent_kernel", late=late,
+            kernels.append(("persistent", render_kernel(lk, "_persistent_kernel", late=late,
                                                          strided=strided)))
         if not fits:
             lk = Lowering(ir, hints, False).run()
@@ -64,15 +53,15 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             if n.is_Integer and rules.resident(int(n), max_persistent_block, max_resident_row):
                 # the persistent lowering: the row's values live in registers, each computed once
                 try:
-                    resident = _render_kernel(Lowering(ir, hints, True).run(), "_resident_kernel")
+                    resident = render_kernel(Lowering(ir, hints, True).run(), "_resident_kernel")
                 except NotHeld:
                     pass
             if resident is not None:
                 kernels.append(("resident", resident))
             else:
-                kernels.append(("looped", _render_kernel(lk, "_looped_kernel")))
+                kernels.append(("looped", render_kernel(lk, "_looped_kernel")))
             # the same rows split across programs, one kernel per phase (few long rows)
-            kernels += [(f"split{s}", _render_kernel(lk, f"_split{s}_kernel", stage=s))
+            kernels += [(f"split{s}", render_kernel(lk, f"_split{s}_kernel", stage=s))
                         for s in range(len(lk.phases))]
             partials = partial_slots(lk.phases)
     header = _header(ir, title, kind)
@@ -106,7 +95,7 @@ def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str) -> str:
     sources, calls, runtime = [], [], set()
     shapes = []
     for i, (sub, inputs, positions) in enumerate(parts):
-        src, size_args = _render_kernel(Lowering(sub, hints, True).run(), f"_part{i}", part=True)
+        src, size_args = render_kernel(Lowering(sub, hints, True).run(), f"_part{i}", part=True)
         sources.append(src)
         runtime |= set(size_args)
         args = ([f"in{j}" for j in inputs] + [f"out{p}" for p in positions] + size_args)
@@ -171,366 +160,3 @@ def _header(ir, title, kind):
              f"# fused ops ({len(names)}): " + ", ".join(names),
              f"# bytes moved: {read} read + {written} written"]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- kernel
-def memory_order(lk: LoweredKernel, syms: list, sizes: list):
-    """(syms, sizes) of a pointwise kernel in the order its linear index walks them: the
-    largest output's memory order, its dims sorted by their strides, largest first. A
-    channels-last output of a logically NCHW value (ConvNeXt's layer scale and residual) is
-    then written, and inputs of the same layout read, in whole lines, not 2 bytes of every
-    192. Each element is computed on its own, so any order computes the same values; the
-    logical order stays where the strides are not all integers (dynamic shapes) or already
-    in order."""
-    best, order = None, None
-    for store in all_stores(lk):
-        value = lk.ir.values[lk.ir.outputs[store[1]]]
-        coeffs = affine_coeffs(sympy.sympify(store[3]), set(syms)) if syms else None
-        if coeffs is None or not all(isinstance(sympy.sympify(c), sympy.Integer)
-                                     for c in coeffs.values()):
-            continue
-        size = value.dtype.itemsize * sympy.Mul(*value.shape)
-        if not isinstance(size, sympy.Integer):
-            continue
-        if best is None or size > best:
-            best = size
-            strides = [int(coeffs.get(s, 0)) for s in syms]
-            order = sorted(range(len(syms)), key=lambda d: -strides[d])   # stable: ties keep
-    if order is None or order == sorted(order):
-        return syms, sizes
-    return [syms[d] for d in order], [sizes[d] for d in order]
-
-
-def _render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), stage=None,
-                   strided: bool = False):
-    """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
-    a persistent kernel's loads written twice, under its HOIST switch (``late_loads``).
-    ``stage``: a looped kernel's phase ``stage`` alone, over one chunk of the row
-    (``row_loops.split_phases``)."""
-    row = lk.kind == "row"
-    exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
-    preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
-    exprs += list(preds)
-    syms = lk.iter_syms[:-1] if row else lk.iter_syms
-    sizes = list(lk.shape[:-1]) if row else list(lk.shape)
-    if not row:
-        syms, sizes = memory_order(lk, list(syms), sizes)
-    protected = set().union(*(p.free_symbols for p in preds)) if preds else set()
-    new_syms, new_sizes, _ = coalesce(syms, sizes, exprs, protected)
-    subs = {s: sympy.Integer(0) for s in syms if s not in new_syms}
-    subs[COL] = COLS
-    lin = RINDEX if row else XINDEX
-    vec = {RINDEX, COLS} if row else {XINDEX}
-
-    def idx(e):
-        return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
-
-    # a looped kernel's rows that do not start on 16 bytes: (elements in 16 bytes, the row's
-    # first element), its loop then steps from the row's 16 bytes (row_loops.column_loop)
-    resident = name == "_resident_kernel"
-    shift = (_row_shift(lk, idx) if row and stage is None and name in ("_looped_kernel",
-                                                                        "_resident_kernel")
-             else None)
-    # one row a program, a scalar (a resident kernel's is a [1, 1] block, as a persistent's)
-    scalar_row = stage is not None or (shift is not None and not resident)
-
-    def condition(pred_set):
-        """Predicates as Triton code: True / False when the sizes alone decide them (a slice
-        of a cat that falls inside one operand), else the conjunction of the rest."""
-        preds = [idx(p) for p in sorted(pred_set, key=str)]
-        if any(p is sympy.false for p in preds):
-            return False
-        rest = [print_expr(p) for p in preds if p is not sympy.true]
-        return " & ".join(rest) if rest else True
-
-    def mask_of(parts_syms, pred_set):
-        parts = []
-        if row:
-            # a split stage's row always exists (R x S programs): its scalar rmask stays out
-            # of the columns' masks (Triton 3.9's interpreter makes scalar & block integers)
-            if RINDEX in parts_syms and not (scalar_row and COLS in parts_syms):
-                parts.append("rmask")
-            if COLS in parts_syms:
-                parts.append("cmask")
-        elif XINDEX in parts_syms:
-            parts.append("xmask")
-        cond = condition(pred_set)
-        if cond is False:
-            parts.append("False")           # never read: its value is never selected
-        elif cond is not True:
-            scalar = not set().union(*(idx(p).free_symbols for p in pred_set)) & vec
-            if parts and scalar:
-                # a test of loaded values alone (a gather's index read at one address) may be
-                # a scalar: Triton 3.9's interpreter makes `block & scalar` a mask of integers,
-                # which its loads reject; tl.where is the same conjunction
-                return f"tl.where({cond}, {' & '.join(parts)}, False)"
-            parts.append(cond)
-        return " & ".join(parts) or "True"
-
-    def row_address(ptr, off):
-        """A resident kernel's address of column offset ``off``: the row's pointer first, then
-        the chunk's columns, where the columns add to it (``cols + f(row)``): the load and
-        the store of a chunk then share no per-element offsets, which kept 13 chunks' of them
-        live between the two (spilled, softmax over rows of 50257: 65 spill instructions,
-        4 this way; sm_90, CPU)."""
-        rest = sympy.expand(off - COLS)
-        if shift:
-            return f"({ptr} + rowa) + vcols"
-        if COLS in rest.free_symbols:
-            return f"{ptr} + {print_expr(off)}"
-        return f"({ptr} + {print_expr(rest)}) + cols"
-
-    def load(stmt, evict=None):
-        _, var, in_id, offset, pred_set = stmt
-        off = idx(offset)
-        conv = "" if ops.reg_dtype(var.dtype) == ops.TL_DTYPE.get(var.dtype) else f".to({ops.reg_dtype(var.dtype)})"
-        used = off.free_symbols & vec
-        pred_syms = set().union(*(idx(p).free_symbols for p in pred_set)) & vec if pred_set else set()
-        if not used and not pred_syms:
-            return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}){conv}"]
-        pad = "".join(f" + 0 * {s.name}" for s in sorted(pred_syms - used, key=str))
-        m = mask_of(used | pred_syms, pred_set)
-        # fp8 has no literal for `other`: masked lanes are undefined there, and never used
-        other = "" if var.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ", other=0"
-        # the row streamed (row_loops.evicting)
-        hint = f', eviction_policy="{evict}"' if evict and {RINDEX, COLS} <= used else ""
-        other += hint
-        if resident and COLS in used:
-            # a chunk inside every row has a constant mask, which Triton drops
-            return [f"{var.name} = tl.load({row_address(f'in{in_id}', off)}{pad}, "
-                    f"mask={m}{other}){conv}"]
-        if shift and COLS in used:
-            # no mask inside the row: 16-byte loads from the row's 16 bytes
-            addr = f"in{in_id} + (rowa + vcols)"
-            return ["if inner:", f"    {var.name} = tl.load({addr}{hint}){conv}", "else:",
-                    f"    {var.name} = tl.load({addr}, mask={m}{other}){conv}"]
-        vector = f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"
-        ks = step_divisors(off, COLS) if stage is not None and not pred_set else None
-        if ks:
-            # one value a step (a GroupNorm's weight at the step's channel): one scalar load,
-            # not a 2-byte load per element, where RBLOCK divides every K (a constexpr test)
-            k = math.gcd(*ks)
-            scalar = (f"{var.name} = tl.load(in{in_id} + {print_expr(off.xreplace({COLS: COL0}))}, "
-                      f"mask=rmask & c0mask{other}){conv}")
-            return [f"if {k} % RBLOCK == 0:", "    " + scalar, "else:", "    " + vector]
-        return [vector]
-
-    def store(stmt, evict=None):
-        _, pos, var, offset, row_level = stmt
-        off = idx(offset)
-        want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
-        pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
-        mask = mask_of(want, ())
-        if scalar_row and not row_level:
-            # a per-row value may be a block of one ([1]: it met a constant, as a
-            # cross-entropy's ignored target does), which a scalar address cannot take; the
-            # mask a block too (Triton 3.9's interpreter rejects a scalar one for a block)
-            pad += " + tl.zeros([1], tl.int32)"
-            mask = f"tl.where({mask}, tl.full([1], True, tl.int1), False)"
-        dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
-        value = store_value(var.name, defs.get(var.name, ""), dtype)
-        hint = f', eviction_policy="{evict}"' if evict and row_level else ""
-        if resident and COLS in off.free_symbols:
-            return [f"tl.store({row_address(f'out{pos}', off)}{pad}, {value}, mask={mask})"]
-        if shift and COLS in off.free_symbols:
-            addr = f"out{pos} + (rowa + vcols)"
-            return ["if inner:", f"    tl.store({addr}, {value}{hint})", "else:",
-                    f"    tl.store({addr}, {value}, mask={mask}{hint})"]
-        return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask}{hint})"]
-
-    defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
-            if st[0] == "assign"}
-
-    def stmt_lines(stmt, evict=None, evict_stores=None):
-        kind = stmt[0]
-        if kind == "load":
-            return load(stmt, evict)
-        if kind == "store":
-            return store(stmt, evict_stores)
-        if kind == "assign":
-            return [f"{stmt[1].name} = {stmt[2]}"]
-        if kind == "assert":
-            return [f"tl.device_assert({stmt[1]}, {stmt[2]!r})"]
-        if kind == "select":
-            var, parts = stmt[1], stmt[2]
-            expr = ops.cast(parts[-1][1].name, parts[-1][1].dtype, var.dtype)
-            for pred_set, v in reversed(parts[:-1]):     # the first true predicate wins
-                cond = condition(pred_set)
-                if cond is True:
-                    expr = ops.cast(v.name, v.dtype, var.dtype)
-                elif cond is not False:
-                    expr = f"tl.where({cond}, {ops.cast(v.name, v.dtype, var.dtype)}, {expr})"
-            return [f"{var.name} = {expr}"]
-        raise AssertionError(kind)
-
-    lines = ["pid = tl.program_id(0)", "if INDEX64:", "    pid = pid.to(tl.int64)"] if row else []
-    if row and stage is not None:
-        lines += ["split = pid % S  # the chunk of the row this program takes",
-                  # one row a program (XBLOCK 1), as a scalar: its per-row values are scalars,
-                  # which broadcast into the columns' layout for free (a [1, 1] block from the
-                  # partials' reduction is converted through shared memory)
-                  "rindex = pid // S",
-                  "rmask = rindex < R"]
-        lines += split_phases(lk, stmt_lines, stage)
-        if stage == len(lk.phases) - 1 and lk.tail:
-            lines.append("rmask = rmask & (split == 0)  # per-row outputs: one program stores")
-            for stmt in lk.tail:
-                lines += stmt_lines(stmt)
-    elif row and resident:
-        lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]  # XBLOCK 1",
-                  "rmask = tl.full([XBLOCK, 1], True, tl.int1)  # a program a row, none past R"]
-        pad = 0
-        if shift:
-            v, start = shift
-            pad = v - 1
-            lines += [f"rstart = {print_expr(start)}  # the row's first element",
-                      f"rowa = (rstart // {v}) * {v}  # rounded down to 16 bytes",
-                      "sh = (rstart - rowa).to(tl.int32)  # the row's column at rowa is -sh"]
-        lines += resident_phases(lk, stmt_lines, int(lk.shape[-1]), pad, shift is not None)
-        for stmt in lk.tail:
-            lines += stmt_lines(stmt)
-    elif row and shift:
-        v, start = shift
-        lines += ["rindex = pid  # one row a program (XBLOCK 1), as a scalar",
-                  "rmask = rindex < R",
-                  f"rstart = {print_expr(start)}  # the row's first element",
-                  f"rowa = (rstart // {v}) * {v}  # rounded down to 16 bytes",
-                  "sh = (rstart - rowa).to(tl.int32)  # the row's column at rowa is -sh"]
-        lines += _row_phases(lk, stmt_lines, False, late, shifted_row=True)
-        for stmt in lk.tail:
-            lines += stmt_lines(stmt)
-    elif row:
-        rows = sympy.Mul(*lk.shape[:-1])
-        # strided rows are loaded in vectors across the rows: a static row count as a literal
-        # lets Triton prove the row mask constant over a vector (R itself is not specialized:
-        # every access was one 2-byte load, a column sum 4x slower than eager on the H200)
-        bound = py_expr(rows) if strided and rows.is_Integer else "R"
-        lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
-                  f"rmask = rindex < {bound}"]
-        lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
-        for stmt in lk.tail:
-            lines += stmt_lines(stmt)
-    else:
-        lines += ([] if part else ["pid = tl.program_id(0)"]) + [
-                  "if INDEX64:",
-                  "    pid = pid.to(tl.int64)",
-                  "xindex = pid * BLOCK + tl.arange(0, BLOCK)"]
-        if part:
-            lines += ["xmask = xindex < numel"]
-        else:
-            # a constant mask: Triton drops it from the loads and stores (no predicates)
-            lines += ["if EVEN:  # numel is a multiple of BLOCK",
-                      "    xmask = tl.full([BLOCK], True, tl.int1)",
-                      "else:",
-                      "    xmask = xindex < numel"]
-        for stmt in loads_first(lk.phases[0].outer + lk.phases[0].body):
-            lines += stmt_lines(stmt)
-    code = "\n".join("    " + ln for ln in lines)
-    size_args = sorted({m for m in re.findall(r"\bk\d+\b", code)}, key=lambda s: int(s[1:]))
-    params = [f"in{i},  # {v.dtype} {list(v.shape)}" for i, v in enumerate(lk.ir.inputs)]
-    params += [f"out{p},  # {lk.ir.values[o].dtype} {list(lk.ir.values[o].shape)}"
-               for p, o in enumerate(lk.ir.outputs)]
-    if stage is not None:
-        params.append("ws,  # fp32 [reductions, R, S]: each chunk's partial reductions")
-    params += [f"{s}," for s in size_args]
-    if row:
-        params += ["R, N,  # rows, row length"]
-        if stage is not None:
-            params.append("S, CHUNK,  # chunks a row, columns a chunk (a multiple of RBLOCK)")
-        params += ["XBLOCK: tl.constexpr, RBLOCK: tl.constexpr,"]
-        if stage is not None:
-            params.append("SBLOCK: tl.constexpr,  # S as a power of two")
-        params.append("INDEX64: tl.constexpr,")
-        if late:
-            params.append("HOIST: tl.constexpr,")
-        nospec = '"R"'
-    else:
-        params += (["pid,  # the block index, from the multi-part kernel"] if part else []) + [
-            "numel,", "BLOCK: tl.constexpr, INDEX64: tl.constexpr,"] + (
-            [] if part else ["EVEN: tl.constexpr,"])
-        nospec = None   # Triton specializes numel % 16 == 0: the mask then keeps loads vectorised
-    sig = "\n".join("    " + p for p in params)
-    options = ([f"do_not_specialize=[{nospec}]"] if nospec else []) \
-        + (["debug=True"] if checks_indices(lk.ir) else [])      # tl.device_assert is live
-    deco = f"@triton.jit({', '.join(options)})" if options else "@triton.jit"
-    src = f"{deco}\ndef {name}(\n{sig}\n):\n{code}"
-    return src, size_args
-
-
-def _row_phases(lk, stmt_lines, persistent, late, shifted_row=False):
-    lines = []
-    if persistent:
-        # a static row length as a literal: where it fills the block (4096 of 4096) Triton
-        # drops the column masks, their selects and predicates (~2 instructions per element of
-        # the FP8 quant kernels, 11-13% of their SASS); otherwise the same compare
-        n = lk.shape[-1]
-        bound = py_expr(n) if sympy.sympify(n).is_Integer else "N"
-        lines += ["cols = tl.arange(0, RBLOCK)[None, :]", f"cmask = cols < {bound}",
-                  "mask = rmask & cmask"]
-        if late:
-            # HOIST (a grid of few programs per SM, launch.few_programs): the loads after the
-            # reduction go out before it, so a program waits on memory once; 64 rows of 4096 on
-            # the H200, kernel time: add+RMSNorm 2.50 -> 2.30 us, add+LayerNorm 2.88 -> 2.53,
-            # RMSNorm+FP8 1.74 -> 1.54. Not on large grids, whose programs overlap each other's
-            # waits anyway: there the longer-lived registers cost 0.2-1.6% (16384 rows).
-            lines.append("if HOIST:")
-            lines += ["    " + ln for st in late for ln in stmt_lines(st)]
-
-    hoisted = {id(st) for st in late}
-
-    def in_place(stmts):
-        out = []
-        for stmt in stmts:
-            if id(stmt) in hoisted:
-                out += ["if not HOIST:"] + ["    " + ln for ln in stmt_lines(stmt)]
-            else:
-                out += stmt_lines(stmt)
-        return out
-    last = max((i for i, ph in enumerate(lk.phases) if ph.body), default=0)
-    for i, ph in enumerate(lk.phases):
-        lines += in_place(ph.outer)
-        if not ph.body and not ph.reductions:
-            continue
-        body = in_place(ph.body)
-        if persistent:
-            lines += body
-            for res, kind, acc, src in ph.reductions:
-                masked = f"tl.where(mask, {src.name}, {RED_INIT[kind]})"
-                lines.append(f"{res.name} = " + RED_FINAL[kind].format(a=masked))
-            continue
-        lines += column_loop(ph, evicting(stmt_lines, i == last, lk.shape), "0", "N",
-                             shifted_row=shifted_row)
-        # a shifted row's loop starts sh columns before it (row_loops.column_loop)
-        span, skip = ("N + sh", "sh") if shifted_row else ("N", "0")
-        for res, kind, acc, _ in ph.reductions:
-            lines += row_result(res.name, kind, acc, ph, shifted_row, span, skip)
-    return lines
-
-
-def _row_shift(lk, idx):
-    """(V, the row's first element as an expression of ``rindex``) where a looped kernel's rows
-    do not all start on 16 bytes (V elements of its narrowest row dtype: a row of 50257 bf16
-    elements starts on 2 bytes) and every load and store of its columns reads the same row,
-    column for column (``cols + start``), at static sizes and without predicates; else None.
-    Its loop then steps from the row's 16 bytes (row_loops.column_loop): one shift for all of
-    them. Not where a weight is read by column alone: it would take another shift."""
-    starts, sizes = set(), []
-    accesses = [(off, preds, lk.ir.inputs[i].dtype) for _, i, off, preds in lk.loads]
-    accesses += [(st[3], (), lk.ir.values[lk.ir.outputs[st[1]]].dtype) for st in all_stores(lk)]
-    for off, preds, dtype in accesses:
-        e = idx(off)
-        if COLS not in e.free_symbols:
-            continue
-        start = sympy.expand(e - COLS)
-        if preds or not start.free_symbols <= {RINDEX}:
-            return None
-        starts.add(start)
-        sizes.append(dtype.itemsize)
-    if len(starts) != 1:
-        return None
-    start = starts.pop()
-    a, b = start.coeff(RINDEX), start.subs(RINDEX, 0)
-    if not (a.is_Integer and b.is_Integer):
-        return None
-    v = 16 // min(sizes)
-    return None if int(a) % v == 0 and int(b) % v == 0 else (v, start)

@@ -2,7 +2,7 @@
 program's block, held in registers by one program as static chunks (``launch.resident_chunks``)
 and read once, where the looped kernel (``row_loops``) reads it once a pass; and the estimate of
 the registers it would take (``_held_values``), past which the row loops instead
-(``NotHeld``). render.py's ``_resident_kernel`` writes the loads and stores, this module the
+(``NotHeld``). kernel_source.py's ``_resident_kernel`` writes the loads and stores, this module the
 order of the statements and the reductions across chunks.
 """
 from __future__ import annotations

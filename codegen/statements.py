@@ -40,7 +40,7 @@ def loads_first(stmts: list) -> list:
 def late_loads(lk) -> list:
     """The direct loads of a persistent row kernel that come after its first reduction (a norm's
     weight row, a scale): issued where they are, each waits on memory after the reduction.
-    With ``HOIST`` set, the kernel issues them before it instead (render.py, ``_row_phases``)."""
+    With ``HOIST`` set, the kernel issues them before it instead (kernel_source.py, ``_row_phases``)."""
     if not lk.phases or not lk.phases[0].reductions:
         return []
     stmts = [st for ph in lk.phases for st in ph.outer + ph.body]

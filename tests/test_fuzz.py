@@ -889,7 +889,7 @@ def _max_block(n: int):
 @contextlib.contextmanager
 def _split_rows(on: bool):
     """Rows of at least 64 columns split into chunks of 32 or more (16 a step) while compiling
-    and running, where ``on`` (the split kernels of render.py; at the real settings only rows
+    and running, where ``on`` (the split kernels of kernel_source.py; at the real settings only rows
     of 16384 and more split, which the fuzzer's sizes never reach)."""
     from fusion_compiler.codegen import launch
     saved = launch.SPLIT_RBLOCK, launch.SPLIT_MIN_CHUNK

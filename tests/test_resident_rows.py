@@ -114,7 +114,7 @@ def test_rows_held_in_registers(op, dtype, n, small_resident, device):
     assert_ran(ran)
     src = source(reports)
     assert "def _looped_kernel" not in src
-    # a weight read by column takes no shift (render._row_shift)
+    # a weight read by column takes no shift (kernel_source._row_shift)
     shifted = n * dtype.itemsize % 16 != 0 and op not in ("layer_norm", "rms_norm")
     assert ("rowa = (rstart // " in src) == shifted
     assert_outputs_close(out, fn(x))

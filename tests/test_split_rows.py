@@ -1,4 +1,4 @@
-"""Few long rows split across programs (render._split_phases, launch.split_settings): each row's
+"""Few long rows split across programs (row_loops.split_phases, launch.split_settings): each row's
 chunks run on their own programs, one kernel per phase of the looped row kernel, the partial
 reductions in between in a scratch buffer. Tests shrink the loop's step and the least chunk, so
 rows of a few hundred elements split into many chunks in the interpreter; each asserts that the

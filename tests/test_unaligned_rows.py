@@ -1,4 +1,4 @@
-"""Looped row kernels over rows that do not start on 16 bytes (render._row_shift,
+"""Looped row kernels over rows that do not start on 16 bytes (kernel_source._row_shift,
 row_loops.column_loop's ``shifted_row``): rows of an odd length (GPT-2's vocabulary of 50257)
 start on 2 or 4 bytes, and each step's loads took one element at a time. The loop steps from
 the row's first element rounded down to 16 bytes instead; the steps inside the row load and
