@@ -48,7 +48,7 @@ import tempfile
 
 CHILD = r'''
 import json, sys, time, torch
-from fusion_compiler.cli import load_factory
+from fusion_compiler.targets import load_factory
 import fusion_compiler
 target, backend = sys.argv[1], sys.argv[2]
 model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)

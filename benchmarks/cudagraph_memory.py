@@ -52,7 +52,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cudagraph_memory.py needs a CUDA GPU")
         return 2
-    from fusion_compiler.cli import load_factory
+    from fusion_compiler.targets import load_factory
 
     model, args = load_factory(a.target)[0](device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch
 from triton.testing import do_bench
 
 from fusion_compiler import backend as B
-from fusion_compiler.cli import load_factory
+from fusion_compiler.targets import load_factory
 
 
 def per_call(fn, n=100):

@@ -13,7 +13,7 @@ import time
 import torch
 
 from fusion_compiler import backend as B
-from fusion_compiler.cli import load_factory
+from fusion_compiler.targets import load_factory
 
 
 def per_call(fn, n=20):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from fusion_compiler.cli import load_factory
+from fusion_compiler.targets import load_factory
 
 
 def table(target: str, backend: str, top: int) -> None:

@@ -23,7 +23,7 @@ import triton.backends.nvidia.driver as driver  # noqa: E402
 import triton.runtime.build as build  # noqa: E402
 
 import fusion_compiler  # noqa: E402
-from fusion_compiler.cli import load_factory  # noqa: E402
+from fusion_compiler.targets import load_factory  # noqa: E402
 
 stats = collections.defaultdict(lambda: [0, 0.0])
 

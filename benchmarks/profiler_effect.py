@@ -13,7 +13,7 @@ import torch
 from triton.testing import do_bench
 
 from fusion_compiler.bench import kernels_per_call
-from fusion_compiler.cli import load_factory
+from fusion_compiler.targets import load_factory
 
 
 def main() -> int:

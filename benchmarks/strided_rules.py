@@ -64,10 +64,10 @@ def training_step(target: str, rounds: int) -> dict:
 
     from fusion_compiler import bench
     from fusion_compiler import breakdown as BD
-    from fusion_compiler.cli import _target_imports, call_factory, load_factory
+    from fusion_compiler.targets import call_factory, load_factory, target_imports
 
     torch.manual_seed(0)
-    with _target_imports():
+    with target_imports():
         factory, where = load_factory(target)
         model, args, _ = call_factory(factory, where, "cuda", "bfloat16")
     step = bench._training_step(torch.compile(model, backend="fusion"), model)

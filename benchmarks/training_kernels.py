@@ -22,7 +22,7 @@ import torch
 
 from fusion_compiler import bench
 from fusion_compiler import breakdown as BD
-from fusion_compiler.cli import _target_imports, call_factory, load_factory
+from fusion_compiler.targets import call_factory, load_factory, target_imports
 
 BACKENDS = {"fusion": ("fusion", {"backward_recompute": True}),
             "fusion-save": ("fusion", {"backward_recompute": False}),
@@ -34,7 +34,7 @@ def profile_step(target: str, backend: str, options, train_mode: bool = False) -
     """(name, start us from the step's first kernel, duration us) of every GPU activity."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    with _target_imports():         # as `fusion-compiler bench` builds it
+    with target_imports():         # as `fusion-compiler bench` builds it
         factory, where = load_factory(target)
         model, args, _ = call_factory(factory, where, "cuda", "bfloat16")
     model.train(train_mode)         # the factories build models in eval(): dropout off

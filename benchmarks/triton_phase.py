@@ -45,7 +45,7 @@ import triton.runtime.jit as triton_jit  # noqa: E402
 from triton import knobs  # noqa: E402
 
 import fusion_compiler  # noqa: E402
-from fusion_compiler.cli import load_factory  # noqa: E402
+from fusion_compiler.targets import load_factory  # noqa: E402
 
 
 def main() -> int:

@@ -71,9 +71,9 @@ def command(args) -> int:
 
 
 def _model_target(target: str, dtype):
-    from .cli import _target_imports, call_factory, load_factory
+    from .targets import call_factory, load_factory, target_imports
 
-    with _target_imports():
+    with target_imports():
         factory, where = load_factory(target)
         model, inputs, _ = call_factory(factory, where, "cuda", dtype)
     return (target, model, lambda: inputs, False)
