@@ -10,8 +10,8 @@ def inference_graph(target: str) -> torch.fx.GraphModule:
     bf16 on the CPU, traced by aot_autograd with the backend's decompositions."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from fusion_compiler.targets import load_factory
     from fusion_compiler.decompositions import decomposition_table
+    from fusion_compiler.targets import load_factory
 
     graphs = []
 

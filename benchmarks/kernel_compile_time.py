@@ -66,9 +66,9 @@ def record(target: str, factory_args: dict, dtype=None) -> list:
     """The distinct launches of the target's first call, as plain data."""
     import torch
 
-    from fusion_compiler.targets import load_factory
     from fusion_compiler.codegen import precompile
     from fusion_compiler.passes import generate
+    from fusion_compiler.targets import load_factory
 
     specs = {}
 

@@ -34,7 +34,7 @@ def profile_step(target: str, backend: str, options, train_mode: bool = False) -
     """(name, start us from the step's first kernel, duration us) of every GPU activity."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    with target_imports():         # as `fusion-compiler bench` builds it
+    with target_imports():          # as `fusion-compiler bench` builds it
         factory, where = load_factory(target)
         model, args, _ = call_factory(factory, where, "cuda", "bfloat16")
     model.train(train_mode)         # the factories build models in eval(): dropout off
