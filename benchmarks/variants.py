@@ -129,6 +129,24 @@ def x_bf16(text):
     return head + tail[:at] + f"{ind}{var}_late = {widen}\n" + tail[at:]
 
 
+def y_bf16(text):
+    """The dynamic FP8 kernel's normalized row (a bf16 product, ``fl.convert_bf16(cast * w)``)
+    held across the amax reduction in bf16, widened again by a bit shift for the division: with
+    ``x_bf16`` the row takes 64 registers a thread, not 256, on one warp (4096 columns, sm_90,
+    CPU: 168 registers and no spills, 12 rows an SM in flight, no barrier in either reduction)."""
+    m = re.search(r"\n(\s+)(mul\d+) = fl\.convert_bf16\(\((cast\d+ \* x\d+)\)\)\n", text)
+    ind, var, expr = m.groups()
+    text = text.replace(m.group(0), f"\n{ind}{var}_raw = ({expr}).to(tl.bfloat16)\n"
+                                    f"{ind}{var} = {var}_raw.to(tl.float32)\n", 1)
+    cut = text.index("\n", text.index("fl.row_max(")) + 1
+    head, tail = text[:cut], text[cut:]
+    tail = re.sub(rf"\b{var}\b", f"{var}_late", tail)
+    at = tail.rfind("\n", 0, tail.index(f"{var}_late")) + 1
+    widen = (f"({var}_raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)"
+             ".to(tl.float32, bitcast=True)")
+    return head + tail[:at] + f"{ind}{var}_late = {widen}\n" + tail[at:]
+
+
 def maxnreg(n):
     """ptxas held to ``n`` registers a thread (Triton's ``maxnreg``): more blocks per SM where
     registers bound them (the dynamic FP8 kernel: 56 -> 48 with 6 more instructions and no
@@ -518,6 +536,14 @@ VARIANTS = {
         "tma, 2 rows, persistent 12/SM, 3 stages": [tma(3, 12, xblock=2)],
         "tma, 1 row w1, persistent 32/SM, 3 stages": [tma(3, 32, warps=1)],
         "tma, 2 rows, persistent 12/SM, 2 stages, tma store": [tma(2, 12, True, xblock=2)],
+        # session 31 call 1 (16 rounds; do_bench least median / kernel median, us): Inductor
+        # 1009.4 / 1013.2, generated 1010.3 / 1006.7, 1 row w2 1011.9 / 1008.6, 4 rows w4 1018.5
+        # / 1057.8, 4 rows w8 1039.6 / 1036.4, 8 rows w8 1053.1 / 1059.7: the rule's 2 rows on
+        # 4 warps stays
+        "1 row w2": [rows(1, 2)],
+        "4 rows w4": [rows(4, 4)],
+        "4 rows w8": [rows(4, 8)],
+        "8 rows w8": [rows(8, 8)],
     },
     "add_rmsnorm": {
         "w4": [rows(1, 4)],
@@ -637,6 +663,18 @@ VARIANTS = {
         "one-pass amax": [one_pass_amax()],
         "one-pass amax, maxnreg 48": [one_pass_amax(), maxnreg(48)],
         "one-pass amax, no fallback (not a candidate)": [one_pass_amax(False)],
+        # session 31: rows on one or two warps (sm_90, CPU: registers / spills / rows in flight
+        # an SM): x and y bf16 on one warp 168 / 0 / 12; reload + y bf16 167 / 0 / 12; x, y bf16
+        # on two warps held to 80: 80 / 0 / 12; two rows on two warps 168 / 0 / 12. Call 4 (12
+        # rounds; do_bench least median / kernel median, us): generated 53.3 / 51.54, maxnreg 48
+        # 53.0 / 50.71, one warp 55.4 / 53.36, one warp reloading 63.1 / 62.48, two warps held to
+        # 80 53.6 / 51.25, two rows on two warps 64.9 / 62.93, x bf16 + maxnreg 48 54.2 / 52.74,
+        # no reductions 52.0 / 49.09: none passes the register cap alone
+        "x, y bf16, 1 row w1": [x_bf16, y_bf16, rows(1, 1)],
+        "reload, y bf16, 1 row w1": [reload, y_bf16, rows(1, 1)],
+        "x, y bf16, w2, maxnreg 80": [x_bf16, y_bf16, rows(1, 2), maxnreg(80)],
+        "x, y bf16, 2 rows w2": [x_bf16, y_bf16, rows(2, 2)],
+        "x bf16, maxnreg 48": [x_bf16, maxnreg(48)],
         "plain max, no scaling factor (gluon's control)": [
             TL_MAX, (r"fl\.div_shared\((\w+), \w+, (\w+)\)", r"(\1 * \2)")],
     },
