@@ -9,6 +9,7 @@ the log) unless Triton's interpreter is on (TRITON_INTERPRET=1), which the tests
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -19,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from . import cudagraphs, measure
+from . import aot_cache, cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
@@ -183,6 +184,14 @@ def _run_passes(gm, ctx, runs_kernels: bool):
     return gm
 
 
+@functools.lru_cache(maxsize=1)
+def _aot_cache_usable() -> bool:
+    why = aot_cache.available()
+    if why is not None:
+        log.info("fusion-compiler: aot_autograd's result is not kept on disk: %s", why)
+    return why is None
+
+
 def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """torch.compile backend entry point (registered as "fusion")."""
     config = with_compile_args(Config.from_env(), kwargs.pop("mode", None),
@@ -208,30 +217,44 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")
 
-    def compiler(kind):
-        def compile_fn(aten_gm, _example_inputs):
-            # boxed: aot_autograd passes the argument list itself, so inputs can be freed early
-            compiled = compile_aten_graph(aten_gm, kind, config)
-            # the forward itself: a GraphModule's __call__ goes through nn.Module's hook
-            # machinery on every call (~1 us of host time; a compiled graph has no hooks)
-            fn = make_boxed_func(compiled.forward)
-            target = getattr(compiled, "_fc_measure", None)
-            if target is not None:
-                return measure.capture_first_call(fn, target)
-            if config.cudagraphs:
-                reason = cudagraphs.why_not(aten_gm, kind)
-                if reason is None:
-                    return cudagraphs.CudaGraphRunner(fn, f"{kind} graph",
-                                                      cudagraphs.static_input_indices(),
-                                                      config.cudagraph_copy_outputs)
-                log.info("fusion-compiler: %s graph not captured in a CUDA graph: %s", kind, reason)
-            return fn
-        return compile_fn
+    def finish(aten_gm, kind, static_inputs):
+        """One ATen graph compiled into what aot_autograd calls (boxed: it passes the argument
+        list itself, so inputs can be freed early)."""
+        compiled = compile_aten_graph(aten_gm, kind, config)
+        # the forward itself: a GraphModule's __call__ goes through nn.Module's hook
+        # machinery on every call (~1 us of host time; a compiled graph has no hooks)
+        fn = make_boxed_func(compiled.forward)
+        target = getattr(compiled, "_fc_measure", None)
+        if target is not None:
+            return measure.capture_first_call(fn, target)
+        if config.cudagraphs:
+            reason = cudagraphs.why_not(aten_gm, kind)
+            if reason is None:
+                return cudagraphs.CudaGraphRunner(fn, f"{kind} graph", static_inputs,
+                                                  config.cudagraph_copy_outputs)
+            log.info("fusion-compiler: %s graph not captured in a CUDA graph: %s", kind, reason)
+        return fn
 
-    with young_gc():            # aot_autograd's tracing and the forward graph's passes
+    partition = "min_cut" if config.backward_recompute else "default"
+    # training graphs only: there aot_autograd's trace and partition of the joint graph are
+    # most of a warm compile; an inference graph's trace is short, and keeping it would add
+    # its pickling to every cold compile (aot_cache.py)
+    training = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    if config.aot_cache and training and _aot_cache_usable():
+        def compiler(kind):
+            return aot_cache.compiler(kind, finish, cudagraphs.static_input_indices)
+        kept = aot_cache.context(aot_cache.namespace(config.cache_dir, partition), finish)
+    else:
+        def compiler(kind):
+            return lambda aten_gm, _inputs: finish(aten_gm, kind,
+                                                   cudagraphs.static_input_indices())
+        kept = contextlib.nullcontext()
+
+    with young_gc(), kept:      # aot_autograd's tracing and the forward graph's passes
         return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                             inference_compiler=compiler("inference"),
                             decompositions=decomposition_table(),
                             partition_fn=min_cut_rematerialization_partition
-                            if config.backward_recompute else default_partition,
+                            if partition == "min_cut" else default_partition,
                             )(gm, example_inputs)

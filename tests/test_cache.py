@@ -83,7 +83,14 @@ def assert_valid_entries(root: Path) -> int:
     for p in keys:      # Triton's key, stored by codegen/triton_key.py
         assert p.suffix == ".txt" and re.fullmatch("[0-9a-f]{32}", p.stem), p
         assert p.read_text().startswith(triton.__version__), p
-    files = [p for p in files if p not in decisions and p not in keys]
+    # aot_autograd's results (fusion_compiler/aot_cache.py), in torch's AOTAutograd cache
+    # layout: aot/<namespace>/<key>/<entry>
+    aot = [p for p in files if p.relative_to(root).parts[0] == "aot"]
+    for p in aot:
+        namespace, key, _ = p.relative_to(root).parts[1:]
+        assert re.fullmatch("[0-9a-f]{16}", namespace) and key.startswith("a"), p
+        assert not p.name.startswith(".") and not p.name.endswith(".tmp"), p
+    files = [p for p in files if p not in decisions and p not in keys and p not in aot]
     sources = {p.stem: p for p in files if p.suffix == ".py"}
     metas = {p.stem: p for p in files if p.suffix == ".json"}
     leftovers = [str(p) for p in files if p.suffix not in (".py", ".json") or p.name.startswith(".")]

@@ -1,0 +1,207 @@
+"""aot_autograd's result kept on disk (fusion_compiler/aot_cache.py).
+
+A second compile of the same training graph, in this process after ``dynamo.reset()`` or in a
+new process, loads aot_autograd's forward and backward graphs instead of tracing and
+partitioning again; the passes run on them as before: the same kernels, the same numbers as
+eager. Graphs it cannot keep (dynamic shapes, inference, the option off) compile as before.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fusion_compiler
+from fusion_compiler import aot_cache
+from helpers import TOL, assert_close, kernel_count
+
+pytestmark = pytest.mark.skipif(aot_cache.available() is not None,
+                                reason=f"this torch: {aot_cache.available()}")
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block: the GELU, the LayerNorm and the residual add fuse, forward and
+    backward (odd widths: 41 in, 97 hidden)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(41, 97)
+        self.norm = torch.nn.LayerNorm(97)
+        self.down = torch.nn.Linear(97, 41)
+
+    def forward(self, x):
+        return x + self.down(self.norm(torch.nn.functional.gelu(self.up(x), approximate="tanh")))
+
+
+def step(model, x, **compile_args):
+    """(output, [input grad, parameter grads...], reports) of one compiled forward + backward."""
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_()
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(model, backend="fusion", **compile_args)(x)
+        out.float().square().sum().backward()
+    return out.detach(), [x.grad, *(p.grad for p in model.parameters())], reports
+
+
+def eager_step(model, x):
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_()
+    out = model(x)
+    out.float().square().sum().backward()
+    return out.detach(), [x.grad, *(p.grad for p in model.parameters())]
+
+
+def cache_events() -> dict:
+    """aot_autograd's cache counters (hits, misses, saves, bypasses) since counters.clear()."""
+    return {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}
+
+
+def aot_entries(root: Path) -> list:
+    return sorted(p for p in (root / "aot").rglob("*") if p.is_file()) if (root / "aot").exists() \
+        else []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_compile_loads_the_graphs_and_matches_eager(cache_dir, device, dtype):
+    model = Block().to(device, dtype)
+    x = torch.randn(7, 41, device=device, dtype=dtype)
+    counters.clear()
+    out1, grads1, first = step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+    assert counters["aot_autograd"]["autograd_cache_saved"] == 1
+    assert len(aot_entries(cache_dir)) == 1
+    counters.clear()
+    out2, grads2, second = step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 0
+    for kind in ("forward", "backward"):
+        assert kernel_count(second, kind) == kernel_count(first, kind) > 0, kind
+    # the same kernels on the same inputs: the same bits
+    assert torch.equal(out2, out1)
+    for g2, g1 in zip(grads2, grads1):
+        assert torch.equal(g2, g1)
+    ref, ref_grads = eager_step(model, x)
+    atol, rtol = TOL[dtype]
+    assert_close(out2, ref, dtype=dtype)
+    for k, (g, want) in enumerate(zip(grads2, ref_grads)):
+        # gradients sum over the rows: bf16's tolerance scaled by the 7 rows
+        assert_close(g, want, dtype=dtype, atol=atol * 8, rtol=rtol * 2, name=f"grad {k}")
+
+
+CHILD = textwrap.dedent('''
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_aot_cache import Block, step, eager_step
+    from helpers import kernel_count
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(7, 41)
+    out, grads, reports = step(model, x)
+    ref, ref_grads = eager_step(model, x)
+    print(json.dumps({"counters": dict(counters["aot_autograd"]),
+                      "kernels": [kernel_count(reports, k) for k in ("forward", "backward")],
+                      "error": max((a - b).abs().max().item()
+                                   for a, b in zip([out, *grads], [ref, *ref_grads]))}))
+''')
+
+
+def test_a_new_process_loads_the_graphs(cache_dir):
+    env = dict(os.environ, FUSION_COMPILER_CACHE_DIR=str(cache_dir), TRITON_INTERPRET="1")
+    tests = str(Path(__file__).parent)
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", CHILD, tests], env=env, text=True,
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["counters"].get("autograd_cache_saved") == 1, first
+    assert second["counters"].get("autograd_cache_hit") == 1, second
+    assert "autograd_cache_miss" not in second["counters"], second
+    assert second["kernels"] == first["kernels"] and min(first["kernels"]) > 0
+    assert first["error"] < 1e-4 and second["error"] < 1e-4, (first, second)
+
+
+def test_option_off_inference_and_dynamic_shapes_keep_nothing(cache_dir, device):
+    model = Block().to(device)
+    x = torch.randn(7, 41, device=device)
+    ref, ref_grads = eager_step(model, x)
+    counters.clear()
+    out, grads, reports = step(model, x, options={"aot_cache": False})
+    assert not aot_entries(cache_dir) and not cache_events()
+    assert kernel_count(reports, "backward") > 0
+    assert_close(out, ref)
+    # inference: aot_autograd's trace of a forward graph alone is short (aot_cache.py)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert_close(torch.compile(model, backend="fusion")(x), ref)
+    assert not aot_entries(cache_dir) and not cache_events()
+    # dynamic shapes: compiled and run as before, not stored
+    out, grads, _ = step(model, x, dynamic=True)
+    assert_close(out, ref)
+    for g, want in zip(grads, ref_grads):
+        assert_close(g, want, atol=1e-4, rtol=1e-4)
+    assert not aot_entries(cache_dir)
+    assert counters["aot_autograd"]["autograd_cache_bypass"] >= 1
+
+
+def test_each_partitioner_has_its_own_entries(cache_dir, device, monkeypatch):
+    """The ATen graphs depend on the partitioner (``backward_recompute``) and on the
+    decomposition table, which torch's key does not see: they name the entries' folder."""
+    assert aot_cache.namespace(cache_dir, "min_cut") != aot_cache.namespace(cache_dir, "default")
+    model = Block().to(device)
+    x = torch.randn(7, 41, device=device)
+    step(model, x)
+    monkeypatch.setenv("FUSION_COMPILER_BACKWARD_RECOMPUTE", "0")
+    counters.clear()
+    out, _, _ = step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+    assert len({p.relative_to(cache_dir / "aot").parts[0] for p in aot_entries(cache_dir)}) == 2
+    assert_close(out, eager_step(model, x)[0])
+
+
+def test_a_pass_that_fails_on_a_loaded_graph_leaves_it_on_aten(cache_dir, device, monkeypatch):
+    from fusion_compiler.passes import fuse
+
+    model = Block().to(device)
+    x = torch.randn(7, 41, device=device)
+    step(model, x)
+
+    def broken(gm, ctx):
+        raise RuntimeError("pass broke here")
+    monkeypatch.setattr(fuse, "run", broken)
+    monkeypatch.delenv("FUSION_COMPILER_STRICT")
+    counters.clear()
+    out, grads, reports = step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    assert {r.error for r in reports} == {"RuntimeError: pass broke here"}
+    ref, ref_grads = eager_step(model, x)
+    assert_close(out, ref)
+    for g, want in zip(grads, ref_grads):
+        assert_close(g, want, atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_constants_are_keyed_by_value():
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    gm.table = torch.arange(6.0)
+    before = aot_cache._constant_values(gm)
+    gm.table = torch.arange(6.0) * 2
+    assert aot_cache._constant_values(gm) != before
+    gm.scale = torch.tensor(0.5)                         # 0-dim, and a view of a larger tensor
+    gm.row = torch.arange(12.0).view(3, 4)[:, 1]
+    with_scale = aot_cache._constant_values(gm)
+    gm.scale = torch.tensor(0.25)
+    assert aot_cache._constant_values(gm) != with_scale
+    gm.table = torch.empty(aot_cache.MAX_CONSTANT_BYTES // 4 + 1)
+    with pytest.raises(aot_cache.BypassAOTAutogradCache, match="constants exceed"):
+        aot_cache._constant_values(gm)
