@@ -111,40 +111,40 @@ def reload(text):
                      + [f"    {name}_r = {drop}"] + tail)
 
 
-def x_bf16(text):
-    """The row's input held across the row reduction in its own 16-bit dtype, widened to fp32
-    again (by a bit shift, which the compiler cannot merge with the first widening) where it
-    is used after the reduction: half the registers for the row, so more rows in flight per SM
-    (the dynamic FP8 kernel: 56 -> 48 registers, 9 -> 10 blocks of 128 threads; sm_90, CPU)."""
-    m = re.search(r"\n(\s+)(x\d+) = (tl\.load\(in0 \+ [^\n]*?)\.to\(tl\.float32\)\n", text)
-    ind, var, load = m.groups()
-    text = text.replace(m.group(0), f"\n{ind}{var}_raw = {load}\n"
+def _held_16bit(text, match, raw, reduction):
+    """``match`` (a regex whose groups are the line's indent, the variable and its value) made
+    ``var_raw = raw(value)``, ``var = var_raw.to(fp32)``; after the line that holds
+    ``reduction`` the variable is widened again from ``var_raw`` by a bit shift, which the
+    compiler cannot merge with the first widening, so the 16-bit value is what stays live."""
+    m = re.search(match, text)
+    ind, var, value = m.groups()
+    text = text.replace(m.group(0), f"\n{ind}{var}_raw = {raw(value)}\n"
                                     f"{ind}{var} = {var}_raw.to(tl.float32)\n", 1)
-    cut = text.index("\n", text.index("tl.sum(")) + 1
+    cut = text.index("\n", text.index(reduction)) + 1
     head, tail = text[:cut], text[cut:]
     tail = re.sub(rf"\b{var}\b", f"{var}_late", tail)
     at = tail.rfind("\n", 0, tail.index(f"{var}_late")) + 1
     widen = (f"({var}_raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)"
              ".to(tl.float32, bitcast=True)")
     return head + tail[:at] + f"{ind}{var}_late = {widen}\n" + tail[at:]
+
+
+def x_bf16(text):
+    """The row's input held across the row reduction in its own 16-bit dtype, widened to fp32
+    again where it is used after the reduction: half the registers for the row, so more rows
+    in flight per SM (the dynamic FP8 kernel: 56 -> 48 registers, 9 -> 10 blocks of 128
+    threads; sm_90, CPU)."""
+    return _held_16bit(text, r"\n(\s+)(x\d+) = (tl\.load\(in0 \+ [^\n]*?)\.to\(tl\.float32\)\n",
+                       lambda load: load, "tl.sum(")
 
 
 def y_bf16(text):
     """The dynamic FP8 kernel's normalized row (a bf16 product, ``fl.convert_bf16(cast * w)``)
-    held across the amax reduction in bf16, widened again by a bit shift for the division: with
-    ``x_bf16`` the row takes 64 registers a thread, not 256, on one warp (4096 columns, sm_90,
-    CPU: 168 registers and no spills, 12 rows an SM in flight, no barrier in either reduction)."""
-    m = re.search(r"\n(\s+)(mul\d+) = fl\.convert_bf16\(\((cast\d+ \* x\d+)\)\)\n", text)
-    ind, var, expr = m.groups()
-    text = text.replace(m.group(0), f"\n{ind}{var}_raw = ({expr}).to(tl.bfloat16)\n"
-                                    f"{ind}{var} = {var}_raw.to(tl.float32)\n", 1)
-    cut = text.index("\n", text.index("fl.row_max(")) + 1
-    head, tail = text[:cut], text[cut:]
-    tail = re.sub(rf"\b{var}\b", f"{var}_late", tail)
-    at = tail.rfind("\n", 0, tail.index(f"{var}_late")) + 1
-    widen = (f"({var}_raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)"
-             ".to(tl.float32, bitcast=True)")
-    return head + tail[:at] + f"{ind}{var}_late = {widen}\n" + tail[at:]
+    held across the amax reduction in bf16: with ``x_bf16`` the row takes 64 registers a
+    thread, not 256, on one warp (4096 columns, sm_90, CPU: 168 registers and no spills, 12
+    rows an SM in flight, no barrier in either reduction)."""
+    return _held_16bit(text, r"\n(\s+)(mul\d+) = fl\.convert_bf16\(\((cast\d+ \* x\d+)\)\)\n",
+                       lambda product: f"({product}).to(tl.bfloat16)", "fl.row_max(")
 
 
 def maxnreg(n):
