@@ -191,6 +191,28 @@ def test_a_pass_that_fails_on_a_loaded_graph_leaves_it_on_aten(cache_dir, device
         assert_close(g, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_damaged_entry_is_compiled_again(cache_dir, device):
+    """An entry that does not load (cut short, here) is a miss: the graph is traced and compiled
+    again, and the entry written anew."""
+    model = Block().to(device)
+    x = torch.randn(7, 41, device=device)
+    step(model, x)
+    (entry,) = aot_entries(cache_dir)
+    entry.write_bytes(entry.read_bytes()[:100])
+    counters.clear()
+    out, grads, reports = step(model, x)
+    assert "autograd_cache_hit" not in cache_events()
+    assert counters["aot_autograd"]["autograd_cache_saved"] == 1
+    assert kernel_count(reports, "backward") > 0
+    ref, ref_grads = eager_step(model, x)
+    assert_close(out, ref)
+    for g, want in zip(grads, ref_grads):
+        assert_close(g, want, atol=1e-4, rtol=1e-4)
+    counters.clear()
+    step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+
 def test_tensor_constants_are_keyed_by_value():
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     gm.table = torch.arange(6.0)
