@@ -6,21 +6,25 @@ functional trace 3.5 s and the min-cut partitioner 2.0 s under cProfile (session
 skips both on a warm start with torch's AOTAutograd cache; this module lets the fusion backend
 use the same cache:
 
-- each ATen graph the backend compiles is returned wrapped in ``FusionOutputCode``, an
+- each ATen graph of a training compile is returned wrapped in ``FusionOutputCode``, an
   ``OutputCode`` that keeps the graph as aot_autograd handed it over (``GraphPickler``: nodes,
-  shapes and fake tensors) beside the compiled callable;
+  shapes and fake tensors, node metadata cut to ``val``) beside the compiled callable;
 - aot_autograd stores that, with its own runtime metadata and wrappers, under a key of the
-  Dynamo graph, the inputs' metadata, grad mode, autocast and torch's configuration;
+  Dynamo graph, the inputs' metadata, aot_autograd's config, grad mode, autocast and the
+  values of the graph's tensor constants (``_key``, used in place of torch's own key, which
+  also hashes Inductor's configuration and the Triton and torch sources: 1 s a process);
 - on a hit in a later process it hands the stored graph back, and ``post_compile`` runs the
   passes on it again (their kernel and decision caches make that quick). So what is cached is
   only aot_autograd's work; every fusion decision and kernel is the current code's.
 
-The entries live under ``<cache_dir>/aot/<namespace>``: apart from Inductor's (torch's key does
-not name the compiler), and in a namespace that hashes what the ATen graph depends on besides
-torch's key: this package's decomposition table (its source), the partitioner chosen
-(``backward_recompute``) and the torch version. ``FusionOutputCode`` refuses to be stored
-(torch then bypasses the cache for that graph, compiling as before) where the graph has
-dynamic shapes (the passes read size hints a fresh ShapeEnv would not have) or does not pickle.
+The entries live under ``<cache_dir>/aot/<namespace>``: apart from Inductor's, and in a
+namespace that hashes what the ATen graph depends on besides the key: this package's
+decomposition table (its source), the partitioner chosen (``backward_recompute``) and the
+torch version. Inference graphs are not offered (``backend.fusion_backend``: their trace is
+short, and the pickling would add to every cold compile). ``FusionOutputCode`` refuses to be
+stored (torch then bypasses the cache for that graph, compiling as before) where the graph
+has dynamic shapes (the passes read size hints a fresh ShapeEnv would not have) or does not
+pickle.
 
 The backward graph is compiled with the forward (``force_non_lazy_backward_lowering``) rather
 than at the first backward call, because torch writes the entry when both are compiled and
