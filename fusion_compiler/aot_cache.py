@@ -18,9 +18,9 @@ use the same cache:
   only aot_autograd's work; every fusion decision and kernel is the current code's.
 
 The entries live under ``<cache_dir>/aot/<namespace>``: apart from Inductor's, and in a
-namespace that hashes what the ATen graph depends on besides the key: this package's
-decomposition table (its source), the partitioner chosen (``backward_recompute``) and the
-torch version. Inference graphs are not offered (``backend.fusion_backend``: their trace is
+namespace that hashes what the ATen graph depends on besides the key: the front end's source
+(``fusion_compiler/*.py``: the decomposition table, how the backend calls aot_autograd; hashed
+once at import), the partitioner chosen (``backward_recompute``) and the torch version. Inference graphs are not offered (``backend.fusion_backend``: their trace is
 short, and the pickling would add to every cold compile). ``FusionOutputCode`` refuses to be
 stored (torch then bypasses the cache for that graph, compiling as before) where the graph
 has dynamic shapes (the passes read size hints a fresh ShapeEnv would not have) or does not
@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from .codegen.cache import source_fingerprint
 
 FORMAT = "1"        # bump when what FusionOutputCode stores changes
 
@@ -146,10 +148,13 @@ def _key(mod, example_inputs, aot_config, *args, **kwargs):
         return "a" + AOTAutogradCachePickler(gm).get_hash(details), []
 
 
+# the front end's sources: the decomposition table and how backend.py calls aot_autograd
+_FINGERPRINT = source_fingerprint(Path(__file__).parent, salt=FORMAT)
+
+
 def namespace(cache_dir: Path, partition: str) -> Path:
     """The folder for entries made by this code with this partitioner and this torch."""
-    decomp = Path(__file__).with_name("decompositions.py").read_bytes()
-    h = hashlib.sha256(repr((FORMAT, torch.__version__, partition)).encode() + decomp)
+    h = hashlib.sha256(repr((_FINGERPRINT, torch.__version__, partition)).encode())
     return Path(cache_dir) / "aot" / h.hexdigest()[:16]
 
 
