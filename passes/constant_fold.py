@@ -73,7 +73,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for node in reversed(list(gm.graph.nodes)):
         if node in values and not node.users:
             gm.graph.erase_node(node)
-    gm.recompile()
     if kept:
         log.info("fusion-compiler: %d constant tensors computed at compile time (%d nodes)",
                  len(kept), len(values))

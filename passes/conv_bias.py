@@ -81,6 +81,5 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         node.meta["val"] = conv
         split += 1
     if split:
-        gm.recompile()
         log.info("fusion-compiler: %d convolution biases added by the graph, not by ATen", split)
     return split

@@ -44,7 +44,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         gm.graph.erase_node(node)
         removed += 1
     if removed:
-        gm.recompile()
         log.info("fusion-compiler: %d duplicate computations removed", removed)
     return gm
 

@@ -65,7 +65,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if node.op == "call_function" and not node.users \
                 and (node in replaced or is_pure(node.target)):
             gm.graph.erase_node(node)
-    gm.recompile()
     log.info("fusion-compiler: %d values with no elements allocated instead of computed, %d "
              "concatenations with empty tensors passed through", len(replaced), len(passed))
     return gm

@@ -74,7 +74,8 @@ REINTERPRET = getattr(getattr(torch._C._dynamo, "guards", None), "_reinterpret_t
 
 
 def run(gm: torch.fx.GraphModule) -> int:
-    """Rewrite the call path of ``gm`` in place; how many calls were removed or swapped."""
+    """Rewrite the call path of ``gm``'s graph in place; how many calls were removed or
+    swapped. The caller compiles the graph's code (``gm.recompile()``)."""
     changed = constant_fold.factories(gm) + _same_views(gm) + _linear(gm) + _view_chains(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in FAST:
@@ -83,8 +84,6 @@ def run(gm: torch.fx.GraphModule) -> int:
         if set(node.kwargs) <= set(allowed):
             node.target = fn
             changed += 1
-    if changed:
-        gm.recompile()
     return changed
 
 

@@ -77,6 +77,5 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         gm.graph.erase_node(node)
         done += 1
     if done:
-        gm.recompile()
         log.info("fusion-compiler: %d picks by an index tensor made gathers", done)
     return done

@@ -160,6 +160,4 @@ def run(gm: torch.fx.GraphModule, ctx, devices=("cuda",)) -> int:
         log.info("fusion-compiler: padded GEMM [%d, %d] @ [%d, %d] to [%d, %d] @ [%d, %d] "
                  "(16-byte aligned rows for cuBLAS)",
                  m, k, k, n, m + pad_m, k + pad_k, k + pad_k, n + pad_n)
-    if padded:
-        gm.recompile()
     return padded

@@ -11,6 +11,7 @@ import operator
 
 import networkx as nx
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .groups import TRANSPARENT
 
@@ -63,7 +64,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for n in reversed(list(graph.nodes)):
         if not n.users and n.op == "call_function" and n.meta.get("fc_kind") in TRANSPARENT:
             graph.erase_node(n)
-    return torch.fx.GraphModule(gm, graph)     # which compiles the graph's code
+    return _LazyGraphModule(gm, graph)     # its code compiled once, by the backend
 
 
 def _symbol_node(sym, graph, env, placeholders, cache):

@@ -75,6 +75,5 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             delattr(gm, idx.target)
         done += 1
     if done:
-        gm.recompile()
         log.info("fusion-compiler: %d constant rotations made rolls", done)
     return done

@@ -28,6 +28,7 @@ def analyze(fn, *args, **config):
         ctx = make_context(cfg, "inference")
         pipeline.analyze(gm, ctx)
         contexts.append(ctx)
+        gm.recompile()      # the passes rewrite the graph, not its code
         return gm
 
     backend = aot_autograd(fw_compiler=compiler, decompositions=decomposition_table())

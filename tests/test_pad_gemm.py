@@ -26,6 +26,7 @@ def _padded(fn, args, devices=("cpu",)):
     def inner(gm, example_inputs):
         seen.append(pad_gemm.run(gm, Ctx, devices))
         seen.append(gm)
+        gm.recompile()      # the pass rewrites the graph, not its code
         return gm.forward
 
     torch._dynamo.reset()

@@ -573,6 +573,38 @@ def test_compiler_error_falls_back_to_aten_without_strict(device, monkeypatch):
         assert not reports[0].ran_kernels and reports[0].aten_ops
 
 
+def test_a_pass_failing_after_rewrites_runs_the_rewritten_graph(device, monkeypatch):
+    """The passes rewrite the graph and leave its code to the backend: when one fails after
+    others have rewritten the graph (a constant folded, a duplicate removed), the ATen graph
+    that runs is compiled from the graph as it is then, and gives eager's numbers."""
+    from fusion_compiler.passes import constant_fold, dedupe, fuse
+
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
+    rewrote = []
+    for module in (constant_fold, dedupe):
+        def spy(gm, ctx, _run=module.run, _name=module.__name__):
+            before = len(gm.graph.nodes)
+            out = _run(gm, ctx)
+            rewrote.append((_name, before - len(gm.graph.nodes)))
+            return out
+        monkeypatch.setattr(module, "run", spy)
+
+    def broken(gm, ctx):
+        raise RuntimeError("injected after the rewrites")
+    monkeypatch.setattr(fuse, "run", broken)
+
+    def fn(x):
+        ramp = torch.arange(37, device=x.device, dtype=x.dtype) * 0.5 + 1.0   # folded
+        return (x * ramp).exp() + (x * ramp).exp() * 3.0                       # one exp kept
+
+    x = torch.randn(5, 37, device=device)
+    out, reports = compile_and_run(fn, (x,))
+    assert_close(out, fn(x))
+    assert reports[0].error and "injected" in reports[0].error
+    assert not reports[0].ran_kernels
+    assert all(removed > 0 for _, removed in rewrote), rewrote      # both passes changed it
+
+
 ZERO_DIM = {
     "pointwise": lambda s: (s * 2).exp() + s.sin(),
     "nan": lambda s: (s * 0 + NAN).exp() + s,
