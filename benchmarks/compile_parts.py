@@ -1,0 +1,135 @@
+"""Where a training step's compile spends its time, by part, in fresh processes (GPU or CPU).
+
+    python benchmarks/compile_parts.py examples/gpt2.py:bench_8x512
+    TRITON_INTERPRET=1 python benchmarks/compile_parts.py TARGET --device cpu --runs cold warm
+
+Each run is its own Python process over one set of caches (an empty folder made here): the
+first run is cold, the next ones warm (aot_autograd's result, kernels and decisions on disk).
+A run builds the model, compiles it with the fusion backend and takes one training step
+(forward, a sum of squares, backward); it prints the step's wall time, Dynamo's time in the
+backend and the seconds (and calls) of each part, timed by wrappers installed in the child:
+
+  _key, loads           the AOT cache's key, and unpickling the stored ATen graphs
+  compile_aten_graph    the backend's work on one ATen graph; within it analyze, generate
+                        (kernel_cache_load: the kernel modules; compile_launches: Triton's
+                        compile or cache load on threads), partition, fast_calls
+  recompile FILE:LINE   GraphModule.recompile (Python generated from a graph and compiled),
+                        by the caller's caller
+  compile KIND          Python's compile(): "fx" for graph code, "import" for files (modules
+                        without a .pyc, and the kernel modules), the rest by filename
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r'''
+import builtins, collections, json, os, sys, time, traceback
+import torch
+import torch.fx
+from fusion_compiler import aot_cache, backend
+from fusion_compiler.codegen import cache as kernel_cache, precompile
+from fusion_compiler.passes import fast_calls, generate, partition, pipeline
+from fusion_compiler.targets import load_factory
+
+seconds, calls = collections.defaultdict(float), collections.Counter()
+
+
+def add(label, started):
+    seconds[label] += time.perf_counter() - started
+    calls[label] += 1
+
+
+def timed(owner, attr, label=None):
+    inner, label = getattr(owner, attr), label or attr
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            add(label, started)
+    setattr(owner, attr, wrapper)
+
+
+recompile = torch.fx.GraphModule.recompile
+
+
+def timed_recompile(self):
+    started = time.perf_counter()
+    try:
+        return recompile(self)
+    finally:
+        where = traceback.extract_stack(limit=3)[0]
+        add(f"recompile {os.path.basename(where.filename)}:{where.lineno}", started)
+
+
+python_compile = builtins.compile
+
+
+def timed_compile(source, filename, *args, **kwargs):
+    started = time.perf_counter()
+    try:
+        return python_compile(source, filename, *args, **kwargs)
+    finally:
+        name = str(filename)
+        kind = "fx" if "eval_with_key" in name else "import" if name.endswith(".py") else name[:24]
+        add(f"compile {kind}", started)
+
+
+torch.fx.GraphModule.recompile = timed_recompile
+builtins.compile = timed_compile
+timed(aot_cache, "_key")
+timed(aot_cache.GraphPickler, "loads")
+timed(backend, "compile_aten_graph")
+timed(pipeline, "analyze")
+timed(generate, "run", "generate")
+timed(partition, "run", "partition")
+timed(fast_calls, "run", "fast_calls")
+timed(precompile, "compile_launches")
+timed(kernel_cache.KernelCache, "load", "kernel_cache_load")
+
+target, device = sys.argv[1], sys.argv[2]
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+model, inputs = load_factory(target)[0](device=device, dtype=dtype)[:2]
+model.train()
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+sync()
+started = time.perf_counter()
+out = torch.compile(model, backend="fusion")(*inputs)
+out = out if isinstance(out, torch.Tensor) else out[0]
+out.float().square().sum().backward()
+sync()
+step = time.perf_counter() - started
+from torch._dynamo.utils import compilation_time_metrics, counters
+print(json.dumps({
+    "seconds": round(step, 3),
+    "in_backend": round(sum(compilation_time_metrics.get("OutputGraph.call_user_compiler", [])), 3),
+    "aot_cache": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+    "parts": {k: [round(v, 3), calls[k]] for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
+              if v >= 0.005}}))
+'''
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("target")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"],
+                        help="labels, one process each; the first finds the caches empty")
+    args = parser.parse_args()
+    folder = tempfile.mkdtemp()
+    env = dict(os.environ, FUSION_COMPILER_CACHE_DIR=folder,
+               TORCHINDUCTOR_CACHE_DIR=folder + "/inductor", TRITON_CACHE_DIR=folder + "/triton")
+    for label in args.runs:
+        done = subprocess.run([sys.executable, "-c", CHILD, args.target, args.device], env=env,
+                              text=True, capture_output=True, timeout=900)
+        print(label, done.stdout.strip().splitlines()[-1] if done.returncode == 0
+              else "failed: " + done.stderr[-2000:], flush=True)
+
+
+if __name__ == "__main__":
+    main()
