@@ -9,7 +9,9 @@ A run builds the model, compiles it with the fusion backend and takes one traini
 (forward, a sum of squares, backward); it prints the step's wall time, Dynamo's time in the
 backend and the seconds (and calls) of each part, timed by wrappers installed in the child:
 
-  _key, loads           the AOT cache's key, and unpickling the stored ATen graphs
+  _key, _pickled, loads the AOT cache's key, pickling the ATen graphs (cold), and unpickling
+                        them (warm); aot make_entry, aot save: torch's making and writing
+                        of the cache entry (cold)
   compile_aten_graph    the backend's work on one ATen graph; within it analyze, generate
                         (kernel_cache_load: the kernel modules; compile_launches: Triton's
                         compile or cache load on threads), partition, fast_calls
@@ -83,6 +85,11 @@ def timed_compile(source, filename, *args, **kwargs):
 torch.fx.GraphModule.recompile = timed_recompile
 builtins.compile = timed_compile
 timed(aot_cache, "_key")
+timed(aot_cache, "_pickled")
+timed(aot_cache.FusionOutputCode, "post_compile")
+from torch._functorch._aot_autograd import autograd_cache
+timed(autograd_cache.AOTAutogradCache, "save", "aot save")
+timed(autograd_cache.AOTAutogradCache, "make_entry", "aot make_entry")
 timed(aot_cache.GraphPickler, "loads")
 timed(backend, "compile_aten_graph")
 timed(pipeline, "analyze")

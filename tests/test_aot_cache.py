@@ -227,3 +227,30 @@ def test_tensor_constants_are_keyed_by_value():
     gm.table = torch.empty(aot_cache.MAX_CONSTANT_BYTES // 4 + 1)
     with pytest.raises(aot_cache.BypassAOTAutogradCache, match="constants exceed"):
         aot_cache._constant_values(gm)
+
+
+def test_values_are_kept_as_layouts_and_made_fake_again():
+    """A node's value is stored as its layout (sizes, strides, storage offset, dtype, device)
+    and made a fake tensor of the loading graph's mode again: views with offsets, transposed,
+    empty and 0-dim tensors, tuples of them, and the plain values beside them."""
+    from torch._subclasses import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    base = torch.randn(7, 12)
+    values = (base[2:5, 3:11:2], base.t(), base[:, :0], torch.tensor(2.5, dtype=torch.bfloat16),
+              torch.zeros(3, dtype=torch.int64)[1:], None, 3, 1.5, True)
+    stored = aot_cache._layouts([values, base])
+    assert not any(isinstance(v, torch.Tensor) for v in stored[0])
+    mode = FakeTensorMode()
+    made = aot_cache._fakes(stored, mode)
+    for want, got in zip([*values, base], [*made[0], made[1]]):
+        if not isinstance(want, torch.Tensor):
+            assert got == want
+            continue
+        assert isinstance(got, FakeTensor) and got.fake_mode is mode
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype, got.device) == \
+            (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device)
+    with mode:      # the passes run ops on them
+        assert torch.ops.aten.sum.dim_IntList(made[0][0], [-1]).shape == (3,)
+    with pytest.raises(TypeError, match="Generator"):
+        aot_cache._layouts(torch.Generator())
