@@ -540,3 +540,41 @@ def test_baddbmm_stays_one_gemm_and_its_softmax_fuses(dtype, device):
     assert [op.split(".")[1] for op in leftover_aten(reports)] == ["baddbmm"]
     assert kernel_count(reports) == 1
     assert_close(out, scores(bias, q, k), dtype=dtype)
+
+
+def test_each_graph_is_called_through_its_compiled_forward(device, monkeypatch):
+    """aot_autograd calls each graph's compiled forward itself: its code compiled once, after
+    the passes (``backend.with_code``), not a lazy module's forward that would check for a
+    recompile and go through ``nn.Module.__call__`` on every call; forward and backward."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from fusion_compiler import backend
+
+    handed = []
+    boxed = backend.make_boxed_func
+
+    def record(fn):
+        handed.append(fn)
+        return boxed(fn)
+    monkeypatch.setattr(backend, "make_boxed_func", record)
+
+    def fn(x, w):
+        return torch.nn.functional.layer_norm(x * 2.0, (37,), w).relu()
+
+    x = torch.randn(9, 37, device=device, requires_grad=True)
+    w = torch.randn(37, device=device, requires_grad=True)
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(fn, backend="fusion", fullgraph=True)(x, w)
+        out.sum().backward()
+    assert [r.kind for r in reports] == ["forward", "backward"] and kernel_count(reports) >= 2
+    assert len(handed) == 2
+    for forward in handed:
+        assert forward.__func__ is not _LazyGraphModule._lazy_forward
+        assert forward.__func__ is type(forward.__self__).forward
+        assert "launch" in forward.__self__.code      # a generated kernel in each
+    gx, gw = x.grad, w.grad
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    fn(x2, w2).sum().backward()
+    assert_close(out, fn(x.detach(), w.detach()))
+    assert_close(gx, x2.grad)
+    assert_close(gw, w2.grad)
