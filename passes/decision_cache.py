@@ -63,7 +63,9 @@ def load(gm: torch.fx.GraphModule, ctx, key: str):
                        recomputed=[by_name[m] for m in g["recomputed"]],
                        extra_outputs=[by_name[m] for m in g["extra_outputs"]])
                   for g in entry["groups"]]
-        return groups, [by_name[m] for m in entry["recomputed_anywhere"]], entry["decisions"]
+        unfused = {by_name[m]: cost for m, cost in entry["unfused"].items()}
+        return (groups, [by_name[m] for m in entry["recomputed_anywhere"]], entry["decisions"],
+                unfused)
     except Exception as exc:                      # noqa: BLE001 - a bad entry is recomputed
         log.warning("fusion-compiler: fusion decision cache entry %s is damaged (%s: %s); "
                     "deciding again", path, type(exc).__name__, exc)
@@ -77,7 +79,10 @@ def store(ctx, key: str, groups, recomputed_anywhere, decisions) -> None:
                          "extra_outputs": [n.name for n in g.extra_outputs],
                          "error": g.error} for g in groups],
              "recomputed_anywhere": [n.name for n in recomputed_anywhere],
-             "decisions": decisions}
+             "decisions": decisions,
+             # each data node's cost run alone (ctx.unfused_cost): a function of the graph and
+             # the profile, both in the key; recomputing them took a third of a warm analyze
+             "unfused": {n.name: cost for n, cost in ctx.unfused_cost.items()}}
     path = _path(ctx, key)
     try:
         data = pickle.dumps(entry)

@@ -50,13 +50,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-def _restore(gm, ctx, specs, recomputed_anywhere, decisions):
+def _restore(gm, ctx, specs, recomputed_anywhere, decisions, unfused):
     """The groups of an earlier search, analysed again on this graph (no lowering: legality
-    was established when they were found; the code generator lowers them again if it must)."""
+    was established when they were found; the code generator lowers them again if it must),
+    and the stored cost of each data node run alone."""
     view = GraphView(gm)
-    for n in gm.graph.nodes:
-        if view.is_data(n):
-            ctx.unfused_cost[n] = analyze(FusionGroup(-1, frozenset([n])), view, ctx).cost
+    ctx.unfused_cost.update(unfused)
     view.recomputed_anywhere = set(recomputed_anywhere)
     groups = {s["id"]: FusionGroup(s["id"], frozenset(s["members"]),
                                    recomputed=frozenset(s["recomputed"]),
