@@ -5,8 +5,8 @@
 
 Each run is its own Python process over one set of caches (an empty folder made here): the
 first run is cold, the next ones warm (aot_autograd's result, kernels and decisions on disk).
-A run builds the model, compiles it with the fusion backend and takes one training step
-(forward, a sum of squares, backward); it prints the step's wall time, Dynamo's time in the
+A run is train_compile_time.py's step (the model built, compiled with the fusion backend, one
+training step: forward, a sum of squares, backward); it prints the step's wall time, Dynamo's time in the
 backend and the seconds (and calls) of each part, timed by wrappers installed in the child:
 
   _key, _pickled, loads the AOT cache's key, pickling the ATen graphs (cold), and unpickling
@@ -23,26 +23,30 @@ backend and the seconds (and calls) of each part, timed by wrappers installed in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 
-CHILD = r'''
-import builtins, collections, json, os, sys, time, traceback
+from train_compile_time import CHILD as STEP      # the step, timed in a fresh process
+
+TIMERS = r'''
+import builtins, collections, os, time, traceback
 import torch
 import torch.fx
 from fusion_compiler import aot_cache, backend
 from fusion_compiler.codegen import cache as kernel_cache, precompile
 from fusion_compiler.passes import fast_calls, generate, partition, pipeline
-from fusion_compiler.targets import load_factory
+from torch._functorch._aot_autograd import autograd_cache
 
-seconds, calls = collections.defaultdict(float), collections.Counter()
+# named apart from the step's own variables (it sets `seconds`)
+part_seconds, part_calls = collections.defaultdict(float), collections.Counter()
 
 
 def add(label, started):
-    seconds[label] += time.perf_counter() - started
-    calls[label] += 1
+    part_seconds[label] += time.perf_counter() - started
+    part_calls[label] += 1
 
 
 def timed(owner, attr, label=None):
@@ -87,7 +91,6 @@ builtins.compile = timed_compile
 timed(aot_cache, "_key")
 timed(aot_cache, "_pickled")
 timed(aot_cache.FusionOutputCode, "post_compile")
-from torch._functorch._aot_autograd import autograd_cache
 timed(autograd_cache.AOTAutogradCache, "save", "aot save")
 timed(autograd_cache.AOTAutogradCache, "make_entry", "aot make_entry")
 timed(aot_cache.GraphPickler, "loads")
@@ -98,26 +101,11 @@ timed(partition, "run", "partition")
 timed(fast_calls, "run", "fast_calls")
 timed(precompile, "compile_launches")
 timed(kernel_cache.KernelCache, "load", "kernel_cache_load")
-
-target, device = sys.argv[1], sys.argv[2]
-dtype = torch.bfloat16 if device == "cuda" else torch.float32
-model, inputs = load_factory(target)[0](device=device, dtype=dtype)[:2]
-model.train()
-sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-sync()
-started = time.perf_counter()
-out = torch.compile(model, backend="fusion")(*inputs)
-out = out if isinstance(out, torch.Tensor) else out[0]
-out.float().square().sum().backward()
-sync()
-step = time.perf_counter() - started
-from torch._dynamo.utils import compilation_time_metrics, counters
-print(json.dumps({
-    "seconds": round(step, 3),
-    "in_backend": round(sum(compilation_time_metrics.get("OutputGraph.call_user_compiler", [])), 3),
-    "aot_cache": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
-    "parts": {k: [round(v, 3), calls[k]] for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
-              if v >= 0.005}}))
+'''
+# then train_compile_time's step, which prints its JSON line; then the parts on a line of their own
+PARTS = r'''
+print(json.dumps({k: [round(v, 3), part_calls[k]]
+                  for k, v in sorted(part_seconds.items(), key=lambda kv: -kv[1]) if v >= 0.005}))
 '''
 
 
@@ -132,10 +120,13 @@ def main():
     env = dict(os.environ, FUSION_COMPILER_CACHE_DIR=folder,
                TORCHINDUCTOR_CACHE_DIR=folder + "/inductor", TRITON_CACHE_DIR=folder + "/triton")
     for label in args.runs:
-        done = subprocess.run([sys.executable, "-c", CHILD, args.target, args.device], env=env,
-                              text=True, capture_output=True, timeout=900)
-        print(label, done.stdout.strip().splitlines()[-1] if done.returncode == 0
-              else "failed: " + done.stderr[-2000:], flush=True)
+        done = subprocess.run([sys.executable, "-c", TIMERS + STEP + PARTS, args.target, "fusion",
+                               args.device], env=env, text=True, capture_output=True, timeout=900)
+        if done.returncode != 0:
+            print(label, "failed:", done.stderr[-2000:], flush=True)
+            continue
+        step, parts = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+        print(label, json.dumps({**step, "parts": parts}), flush=True)
 
 
 if __name__ == "__main__":

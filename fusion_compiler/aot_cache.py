@@ -160,24 +160,8 @@ def namespace(cache_dir: Path, partition: str) -> Path:
     return Path(cache_dir) / "aot" / h.hexdigest()[:16]
 
 
-def _static_shapes(gm: torch.fx.GraphModule) -> bool:
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else (val,)
-        for v in vals:
-            if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
-                return False
-            if isinstance(v, torch.Tensor) and (
-                    any(not isinstance(s, int) for s in v.shape)
-                    or any(not isinstance(s, int) for s in v.stride())):
-                return False
-    return True
-
-
 def _pickled(gm: torch.fx.GraphModule) -> tuple[bytes | None, str | None]:
     """(the graph pickled, None), or (None, why it is not kept)."""
-    if not _static_shapes(gm):
-        return None, "dynamic shapes"
     # the passes read a node's "val" alone; the rest (stack traces, module stacks, provenance:
     # 7.7 MB pickled for GPT-2's training graphs) is left out of the copy, not the graph. The
     # values go as their layouts (_Layout), not as fake tensors
@@ -187,6 +171,8 @@ def _pickled(gm: torch.fx.GraphModule) -> tuple[bytes | None, str | None]:
         for node, meta in zip(nodes, metas):
             node.meta = {"val": _layouts(meta["val"])} if "val" in meta else {}
         return GraphPickler.dumps(_uncompiled(gm), Options(ops_filter=None)), None
+    except _Dynamic:
+        return None, "dynamic shapes"
     except Exception as exc:  # noqa: BLE001 - a graph that does not pickle is compiled, not kept
         return None, f"{type(exc).__name__}: {exc}"
     finally:
@@ -216,13 +202,24 @@ class _Layout(tuple):
     again through meta_utils (half of unpickling GPT-2's graphs); this is a tuple."""
 
 
+class _Dynamic(Exception):
+    """A value with a symbolic size: the passes read size hints that a fresh ShapeEnv would
+    not have, so the graph is not kept."""
+
+
 def _layouts(val):
-    """``val`` (a node's value) with its tensors as ``_Layout``s."""
+    """``val`` (a node's value) with its tensors as ``_Layout``s; ``_Dynamic`` where a size,
+    stride or offset is symbolic."""
     if isinstance(val, torch.Tensor):
-        return _Layout((tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype,
-                        val.device))
+        layout = _Layout((tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype,
+                          val.device))
+        if not all(type(n) is int for n in (*layout[0], *layout[1], layout[2])):
+            raise _Dynamic
+        return layout
     if isinstance(val, (list, tuple)):
         return type(val)(_layouts(v) for v in val)
+    if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise _Dynamic
     if val is None or isinstance(val, (bool, int, float)):
         return val
     raise TypeError(f"a node's value of type {type(val).__name__}")
