@@ -2,11 +2,13 @@
 
     python benchmarks/compile_parts.py examples/gpt2.py:bench_8x512
     TRITON_INTERPRET=1 python benchmarks/compile_parts.py TARGET --device cpu --runs cold warm
+    python benchmarks/compile_parts.py examples/llama.py:bench_1x128 --inference
 
 Each run is its own Python process over one set of caches (an empty folder made here): the
 first run is cold, the next ones warm (aot_autograd's result, kernels and decisions on disk).
 A run is train_compile_time.py's step (the model built, compiled with the fusion backend, one
-training step: forward, a sum of squares, backward); it prints the step's wall time, Dynamo's time in the
+training step: forward, a sum of squares, backward; with --inference one call under no_grad,
+the model in eval mode); it prints the step's wall time, Dynamo's time in the
 backend and the seconds (and calls) of each part, timed by wrappers installed in the child:
 
   _key, _pickled, loads the AOT cache's key, pickling the ATen graphs (cold), and unpickling
@@ -113,6 +115,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--inference", action="store_true",
+                        help="one call under no_grad instead of a training step")
     parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"],
                         help="labels, one process each; the first finds the caches empty")
     args = parser.parse_args()
@@ -120,8 +124,9 @@ def main():
     env = dict(os.environ, FUSION_COMPILER_CACHE_DIR=folder,
                TORCHINDUCTOR_CACHE_DIR=folder + "/inductor", TRITON_CACHE_DIR=folder + "/triton")
     for label in args.runs:
-        done = subprocess.run([sys.executable, "-c", TIMERS + STEP + PARTS, args.target, "fusion",
-                               args.device], env=env, text=True, capture_output=True, timeout=900)
+        argv = [args.target, "fusion", args.device] + ["inference"] * args.inference
+        done = subprocess.run([sys.executable, "-c", TIMERS + STEP + PARTS, *argv], env=env,
+                              text=True, capture_output=True, timeout=900)
         if done.returncode != 0:
             print(label, "failed:", done.stderr[-2000:], flush=True)
             continue

@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-# argv: target, backend[, device: "cuda" (bf16) or "cpu" (fp32)]; benchmarks/compile_parts.py
-# runs it too, with timers installed first
+# argv: target, backend[, device: "cuda" (bf16) or "cpu" (fp32)[, "inference": one call under
+# no_grad instead of the step]]; benchmarks/compile_parts.py runs it too, with timers installed
 CHILD = r'''
 import json, sys, time, torch
 from fusion_compiler.targets import load_factory
@@ -34,15 +34,18 @@ import fusion_compiler
 from torch._dynamo.utils import counters
 target, backend = sys.argv[1], sys.argv[2]
 device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+training = sys.argv[4:5] != ["inference"]
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 model, inputs = load_factory(target)[0](
     device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)[:2]
-model.train()
+model.train(training)
 sync()
 t0 = time.perf_counter()
-out = torch.compile(model, backend=backend)(*inputs)
-out = out if isinstance(out, torch.Tensor) else out[0]
-out.float().square().sum().backward()
+with torch.set_grad_enabled(training):
+    out = torch.compile(model, backend=backend)(*inputs)
+if training:
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    out.float().square().sum().backward()
 sync()
 seconds = time.perf_counter() - t0
 from torch._dynamo.utils import compilation_time_metrics as metrics

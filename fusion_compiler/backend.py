@@ -249,12 +249,9 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return fn
 
     partition = "min_cut" if config.backward_recompute else "default"
-    # training graphs only: there aot_autograd's trace and partition of the joint graph are
-    # most of a warm compile; an inference graph's trace is short, and keeping it would add
-    # its pickling to every cold compile (aot_cache.py)
-    training = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-    if config.aot_cache and training and _aot_cache_usable():
+    # training and inference graphs alike: aot_autograd's trace is most of a warm compile
+    # (Llama 1 x 128's inference graph: 1.1 s of its 1.6 s in the backend, H200)
+    if config.aot_cache and _aot_cache_usable():
         def compiler(kind):
             return aot_cache.compiler(kind, finish, cudagraphs.static_input_indices)
         kept = aot_cache.context(aot_cache.namespace(config.cache_dir, partition), finish)

@@ -63,9 +63,9 @@ class Config:
     # permuted view, in two kernels that take their producers along (passes/column_sums.py);
     # 0: left to ATen's reduction.
     column_sums: bool = True
-    # Keep aot_autograd's result (the ATen forward and backward graphs and its runtime
-    # wrappers) on disk in torch's AOTAutograd cache, so that a second process compiling the
-    # same model skips aot_autograd's trace and partition (fusion_compiler/aot_cache.py); the
+    # Keep aot_autograd's result (the ATen forward and backward graphs, or the inference
+    # graph, and its runtime wrappers) on disk in torch's AOTAutograd cache, so that a second
+    # process compiling the same model skips aot_autograd's trace and partition (fusion_compiler/aot_cache.py); the
     # passes still run on the stored graphs. 0: aot_autograd runs every time.
     aot_cache: bool = True
 

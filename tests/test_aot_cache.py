@@ -2,8 +2,9 @@
 
 A second compile of the same training graph, in this process after ``dynamo.reset()`` or in a
 new process, loads aot_autograd's forward and backward graphs instead of tracing and
-partitioning again; the passes run on them as before: the same kernels, the same numbers as
-eager. Graphs it cannot keep (dynamic shapes, inference, the option off) compile as before.
+partitioning again (an inference graph likewise); the passes run on them as before: the same
+kernels, the same numbers as eager. Graphs it cannot keep (dynamic shapes, the option off)
+compile as before.
 """
 import json
 import os
@@ -132,7 +133,7 @@ def test_a_new_process_loads_the_graphs(cache_dir):
     assert first["error"] < 1e-4 and second["error"] < 1e-4, (first, second)
 
 
-def test_option_off_inference_and_dynamic_shapes_keep_nothing(cache_dir, device):
+def test_option_off_and_dynamic_shapes_keep_nothing(cache_dir, device):
     model = Block().to(device)
     x = torch.randn(7, 41, device=device)
     ref, ref_grads = eager_step(model, x)
@@ -141,10 +142,9 @@ def test_option_off_inference_and_dynamic_shapes_keep_nothing(cache_dir, device)
     assert not aot_entries(cache_dir) and not cache_events()
     assert kernel_count(reports, "backward") > 0
     assert_close(out, ref)
-    # inference: aot_autograd's trace of a forward graph alone is short (aot_cache.py)
     torch._dynamo.reset()
     with torch.no_grad():
-        assert_close(torch.compile(model, backend="fusion")(x), ref)
+        assert_close(torch.compile(model, backend="fusion", options={"aot_cache": False})(x), ref)
     assert not aot_entries(cache_dir) and not cache_events()
     # dynamic shapes: compiled and run as before, not stored
     out, grads, _ = step(model, x, dynamic=True)
@@ -153,6 +153,70 @@ def test_option_off_inference_and_dynamic_shapes_keep_nothing(cache_dir, device)
         assert_close(g, want, atol=1e-4, rtol=1e-4)
     assert not aot_entries(cache_dir)
     assert counters["aot_autograd"]["autograd_cache_bypass"] >= 1
+
+
+def infer(model, x, **compile_args):
+    """(output, reports) of one compiled call under no_grad, after ``dynamo.reset()``."""
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports, torch.no_grad():
+        out = torch.compile(model, backend="fusion", **compile_args)(x)
+    return out, reports
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_inference_graph_is_kept_and_loaded(cache_dir, device, dtype):
+    """Under no_grad aot_autograd makes one inference graph; a second compile loads it and
+    the passes make the same kernels: the same bits, eager's numbers."""
+    model = SplitHeads().to(device, dtype)
+    x = torch.randn(3, 7, 24, device=device, dtype=dtype)
+    counters.clear()
+    out1, first = infer(model, x)
+    assert cache_events() == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+    assert len(aot_entries(cache_dir)) == 1
+    counters.clear()
+    out2, second = infer(model, x)
+    assert cache_events() == {"autograd_cache_hit": 1}
+    assert [r.kind for r in second] == ["inference"]
+    keys = [sorted(k["key"] for r in reports for k in r.kernels) for reports in (first, second)]
+    assert keys[0] == keys[1] and kernel_count(second) == kernel_count(first) > 0
+    assert torch.equal(out2, out1)
+    with torch.no_grad():
+        assert_close(out2, model(x), dtype=dtype)
+    # a training step of the same model is keyed apart (grad mode, the inputs' requires_grad)
+    counters.clear()
+    out, grads, _ = step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+    ref, ref_grads = eager_step(model, x)
+    assert_close(out, ref, dtype=dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_loaded_inference_graph_replays_in_a_cuda_graph(cache_dir, monkeypatch):
+    """With ``cudagraphs`` on, the loaded graph is captured like a compiled one, with the same
+    static inputs (the parameters, kept with the entry): new inputs give eager's numbers."""
+    from fusion_compiler import cudagraphs
+
+    runners = []
+    made = cudagraphs.CudaGraphRunner.__init__
+
+    def recording(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        runners.append(self)
+    monkeypatch.setattr(cudagraphs.CudaGraphRunner, "__init__", recording)
+    model = SplitHeads().cuda()
+    options = {"cudagraphs": True, "cudagraph_copy_outputs": True}
+    infer(model, torch.randn(3, 7, 24, device="cuda"), options=options)
+    counters.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion", options=options)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 7, 24, device="cuda")
+            assert_close(compiled(x), model(x))
+    assert cache_events() == {"autograd_cache_hit": 1}
+    first, loaded = runners
+    assert loaded.static_inputs == first.static_inputs and len(loaded.static_inputs) == 4
+    assert loaded.captures == 1 and loaded.graph is not None
 
 
 def test_each_partitioner_has_its_own_entries(cache_dir, device, monkeypatch):
