@@ -17,13 +17,13 @@ from ..codegen import launch as rules
 from ..codegen.launch import LEAN
 from ..codegen.render import generate
 from .cost_model import op_name
-from .partition import symbols_available
+from .partition import readable_symbols
 
 log = logging.getLogger("fusion_compiler")
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    readable = readable_symbols(n for n in gm.graph.nodes if n.op == "placeholder")
     for g in ctx.groups:
         if g.ir is None:
             continue
@@ -32,7 +32,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if not runs and not ctx.config.emit_sources:
             g.error = "CPU tensors run on ATen (TRITON_INTERPRET=1 runs kernels on the CPU)"
             continue
-        if not symbols_available(g, placeholders):
+        if not readable.issuperset(g.graph_symbols):
             g.error = "a size symbol is not readable from the graph inputs"
             continue
         hints = canonical_hints(g.graph_symbols, g.ir, ctx.size_hints)

@@ -89,8 +89,9 @@ def _symbol_node(sym, graph, env, placeholders, cache):
     raise LookupError(f"size symbol {sym} is not the size or stride of any graph input")
 
 
-def symbols_available(group, placeholders) -> bool:
-    """True if every size symbol of the group can be read from the graph's inputs."""
+def readable_symbols(placeholders) -> set:
+    """The size symbols the graph's inputs give at run time: symbolic inputs, and the sizes and
+    strides of its tensor inputs."""
     known = set()
     for ph in placeholders:
         if "fc_symint" in ph.meta:
@@ -99,4 +100,4 @@ def symbols_available(group, placeholders) -> bool:
         if info is not None:
             known.update(info.shape)
             known.update(info.stride)
-    return all(s in known for s in group.graph_symbols)
+    return known
