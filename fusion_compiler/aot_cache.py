@@ -41,12 +41,16 @@ import contextlib
 import contextvars
 import dataclasses
 import hashlib
+import json
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .codegen.cache import source_fingerprint
+
+log = logging.getLogger("fusion_compiler")
 
 FORMAT = "2"        # bump when what FusionOutputCode stores changes
 
@@ -149,7 +153,12 @@ def _key(mod, example_inputs, aot_config, *args, **kwargs):
     with sanitize_gm_for_cache(gm):
         check_cacheable(gm)
         details = _KeyDetails(gm, example_inputs, aot_config)
-        return "a" + AOTAutogradCachePickler(gm).get_hash(details), []
+        key = "a" + AOTAutogradCachePickler(gm).get_hash(details)
+        if log.isEnabledFor(logging.DEBUG):     # what a miss in a later process differs in
+            parts = {name: AOTAutogradCachePickler(gm).get_hash(value)[:12]
+                     for name, value in vars(details).items()}
+            log.debug("fusion-compiler: AOT cache key %s: %s", key, json.dumps(parts))
+        return key, []
 
 
 # the front end's sources: the decomposition table and how backend.py calls aot_autograd
