@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from .codegen.cache import source_fingerprint
+from .passes.shapes import fake_of_layout
 
 log = logging.getLogger("fusion_compiler")
 
@@ -65,7 +66,6 @@ try:
     from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
     from torch._inductor.output_code import OutputCode
     from torch.fx._graph_pickler import GraphPickler, Options
-    from torch._subclasses.fake_tensor import FakeTensor
     _MISSING = None
 except ImportError as exc:     # an older torch: the backend compiles as before
     _MISSING = str(exc)
@@ -237,18 +237,9 @@ def _layouts(val):
 
 
 def _fakes(val, mode):
-    """``val`` with its ``_Layout``s made fake tensors of ``mode`` again: a meta tensor of the
-    layout wrapped as ``FakeTensor`` does (12 us a value on the CPU; through the mode's
-    dispatch of ``empty`` and ``as_strided``, 280)."""
+    """``val`` with its ``_Layout``s made fake tensors of ``mode`` again (``fake_of_layout``)."""
     if isinstance(val, _Layout):
-        sizes, strides, offset, dtype, device = val
-        if offset:
-            span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else 0
-            meta = torch.empty(offset + span, dtype=dtype, device="meta").as_strided(
-                sizes, strides, offset)
-        else:
-            meta = torch.empty_strided(sizes, strides, dtype=dtype, device="meta")
-        return FakeTensor(mode, meta, device)
+        return fake_of_layout(mode, *val)
     if isinstance(val, (list, tuple)):
         return type(val)(_fakes(v, mode) for v in val)
     return val

@@ -184,3 +184,43 @@ def test_negative_pad_stays_on_aten(device):
     out, reports = compile_and_run(fn, (x,))
     assert_close(out, fn(x))
     assert any("pad" in op for op in leftover_aten(reports)), leftover_aten(reports)
+
+
+def test_emit_takes_meta_values_that_match_the_fake_modes():
+    """``emit``'s meta-kernel values (``META_OPS``, static layouts) have the layout, dtype and
+    device the fake mode's dispatch gives: views at storage offsets, transposed, sums over the
+    last dim of a permuted view, a dtype conversion; a symbolic size goes through the mode."""
+    from torch._subclasses import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = FakeTensorMode()
+    base = torch.randn(6, 10, 12, dtype=torch.bfloat16)
+    cases = [(base[1:4, 2:9], aten.permute.default, ([2, 0, 1],)),
+             (base[1:4, 2:9], aten.sum.dim_IntList, ([-1],)),
+             (base.permute(2, 0, 1), aten.sum.dim_IntList, ([-1],)),
+             (base[2], aten.view.default, ([5, 2, 12],)),
+             (base[:, 3], aten.view.default, ([6, 3, 4],)),
+             (base.transpose(0, 2), aten.permute.default, ([1, 2, 0],)),
+             (base[1:, :, 4:], torch.ops.prims.convert_element_type.default, (torch.float32,))]
+    for real, op, rest in cases:
+        gm = torch.fx.GraphModule({}, torch.fx.Graph())
+        x = gm.graph.placeholder("x")
+        x.meta["val"] = mode.from_tensor(real)
+        assert op in pad_gemm.META_OPS
+        assert pad_gemm._meta_value(op, [x.meta["val"], *rest], mode) is not None, op
+        fast = pad_gemm.emit(gm, op, (x, *rest), mode).meta["val"]
+        with mode:
+            want = op(x.meta["val"], *rest)
+        assert isinstance(fast, FakeTensor) and fast.fake_mode is mode
+        assert (fast.shape, fast.stride(), fast.storage_offset(), fast.dtype, fast.device) == \
+            (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device), op
+    dynamic = FakeTensorMode(shape_env=ShapeEnv())
+    gm = torch.fx.GraphModule({}, torch.fx.Graph())
+    x = gm.graph.placeholder("x")
+    x.meta["val"] = dynamic.from_tensor(torch.randn(5, 8), symbolic_context=(
+        StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])))
+    assert pad_gemm._meta_value(aten.sum.dim_IntList, [x.meta["val"], [-1]], dynamic) is None
+    out = pad_gemm.emit(gm, aten.sum.dim_IntList, (x, [-1]), dynamic).meta["val"]
+    assert not isinstance(out.shape[0], int) and out.shape[0] == x.meta["val"].shape[0]
