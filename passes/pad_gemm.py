@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from .shapes import meta_of_layout
 
@@ -89,8 +89,10 @@ def _meta_value(op, values, mode):
     rest = [x for v in values[1:] for x in (v if isinstance(v, (list, tuple)) else [v])]
     if not all(type(n) is int for n in (*layout, *rest) if not isinstance(n, torch.dtype)):
         return None
-    meta = meta_of_layout(tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-    return FakeTensor(mode, op(meta, *values[1:]), tensor.device)
+    with unset_fake_temporarily():     # a cold compile runs inside aot_autograd's fake mode
+        meta = meta_of_layout(tensor.shape, tensor.stride(), tensor.storage_offset(),
+                              tensor.dtype)
+        return FakeTensor(mode, op(meta, *values[1:]), tensor.device)
 
 
 def _pad(gm, node, pads, mode):

@@ -21,12 +21,15 @@ def fake_of_layout(mode, sizes, strides, offset, dtype, device):
     """A fake tensor of ``mode`` with this layout (int sizes, strides and storage offset): a meta
     tensor over a storage just long enough, wrapped as ``FakeTensor`` does (12 us on the CPU;
     through the mode's dispatch of ``empty`` and ``as_strided``, 280)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-    return FakeTensor(mode, meta_of_layout(sizes, strides, offset, dtype), device)
+    with unset_fake_temporarily():
+        return FakeTensor(mode, meta_of_layout(sizes, strides, offset, dtype), device)
 
 
 def meta_of_layout(sizes, strides, offset, dtype) -> torch.Tensor:
+    """A meta tensor of this layout; called with no fake mode active (aot_autograd compiles
+    a graph inside its own: ``unset_fake_temporarily``), or the mode would make it a fake."""
     if offset:
         span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else 0
         return torch.empty(offset + span, dtype=dtype, device="meta").as_strided(

@@ -186,7 +186,7 @@ def test_negative_pad_stays_on_aten(device):
     assert any("pad" in op for op in leftover_aten(reports)), leftover_aten(reports)
 
 
-def test_emit_takes_meta_values_that_match_the_fake_modes():
+def test_emit_takes_meta_values_that_match_the_fake_modes(monkeypatch):
     """``emit``'s meta-kernel values (``META_OPS``, static layouts) have the layout, dtype and
     device the fake mode's dispatch gives: views at storage offsets, transposed, sums over the
     last dim of a permuted view, a dtype conversion; a symbolic size goes through the mode."""
@@ -216,6 +216,18 @@ def test_emit_takes_meta_values_that_match_the_fake_modes():
         assert isinstance(fast, FakeTensor) and fast.fake_mode is mode
         assert (fast.shape, fast.stride(), fast.storage_offset(), fast.dtype, fast.device) == \
             (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device), op
+        # inside a fake mode (a cold compile runs in aot_autograd's) the same value, and the
+        # mode's dispatch is not entered
+        dispatched = []
+        real = FakeTensorMode.dispatch
+        monkeypatch.setattr(FakeTensorMode, "dispatch",
+                            lambda self, *a, **k: dispatched.append(a[0]) or real(self, *a, **k))
+        with mode:
+            inside = pad_gemm.emit(gm, op, (x, *rest), mode).meta["val"]
+        monkeypatch.setattr(FakeTensorMode, "dispatch", real)
+        assert not dispatched, dispatched
+        assert (inside.shape, inside.stride(), inside.storage_offset(), inside.dtype) == \
+            (want.shape, want.stride(), want.storage_offset(), want.dtype), op
     dynamic = FakeTensorMode(shape_env=ShapeEnv())
     gm = torch.fx.GraphModule({}, torch.fx.Graph())
     x = gm.graph.placeholder("x")
