@@ -3,6 +3,8 @@
     python benchmarks/compile_parts.py examples/gpt2.py:bench_8x512
     TRITON_INTERPRET=1 python benchmarks/compile_parts.py TARGET --device cpu --runs cold warm
     python benchmarks/compile_parts.py examples/llama.py:bench_1x128 --inference
+    TRITON_INTERPRET=1 python benchmarks/compile_parts.py examples/gpt2.py:bench_8x512 \
+        --device cpu --compile-only
 
 Each run is its own Python process over one set of caches (an empty folder made here): the
 first run is cold, the next ones warm (aot_autograd's result, kernels and decisions on disk).
@@ -103,6 +105,27 @@ timed(partition, "run", "partition")
 timed(fast_calls, "run", "fast_calls")
 timed(precompile, "compile_launches")
 timed(kernel_cache.KernelCache, "load", "kernel_cache_load")
+
+if os.environ.get("FC_PARTS_COMPILE_ONLY"):
+    # --compile-only: stop once the backend returns (forward and backward compile together
+    # where the AOT cache is on), before the step runs: a CPU run at a model's real sizes,
+    # whose kernels Triton's interpreter would take hours to run
+    import json, sys
+    import torch._dynamo.output_graph as output_graph
+    from torch._dynamo.utils import counters
+    user_compiler = output_graph.OutputGraph.call_user_compiler
+
+    def compile_then_exit(self, *args, **kwargs):
+        started = time.perf_counter()
+        user_compiler(self, *args, **kwargs)
+        print(json.dumps({"seconds": None, "in_backend": time.perf_counter() - started,
+                          "aot_cache": {k: v for k, v in counters["aot_autograd"].items()
+                                        if "cache" in k}}))
+        print(json.dumps({k: [round(v, 3), part_calls[k]] for k, v in
+                          sorted(part_seconds.items(), key=lambda kv: -kv[1]) if v >= 0.005}))
+        sys.stdout.flush()
+        os._exit(0)
+    output_graph.OutputGraph.call_user_compiler = compile_then_exit
 '''
 # then train_compile_time's step, which prints its JSON line; then the parts on a line of their own
 PARTS = r'''
@@ -117,11 +140,15 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--inference", action="store_true",
                         help="one call under no_grad instead of a training step")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="stop once the backend returns (no step is run; in_backend is "
+                             "timed around the first graph's backend call)")
     parser.add_argument("--runs", nargs="+", default=["cold", "warm", "warm"],
                         help="labels, one process each; the first finds the caches empty")
     args = parser.parse_args()
     folder = tempfile.mkdtemp()
     env = dict(os.environ, FUSION_COMPILER_CACHE_DIR=folder,
+               **({"FC_PARTS_COMPILE_ONLY": "1"} if args.compile_only else {}),
                TORCHINDUCTOR_CACHE_DIR=folder + "/inductor", TRITON_CACHE_DIR=folder + "/triton")
     for label in args.runs:
         argv = [args.target, "fusion", args.device] + ["inference"] * args.inference
