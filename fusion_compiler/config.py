@@ -65,8 +65,9 @@ class Config:
     column_sums: bool = True
     # Keep aot_autograd's result (the ATen forward and backward graphs, or the inference
     # graph, and its runtime wrappers) on disk in torch's AOTAutograd cache, so that a second
-    # process compiling the same model skips aot_autograd's trace and partition (fusion_compiler/aot_cache.py); the
-    # passes still run on the stored graphs. 0: aot_autograd runs every time.
+    # process compiling the same model skips aot_autograd's trace and partition
+    # (fusion_compiler/aot_cache.py); the passes still run on the stored graphs. 0:
+    # aot_autograd runs every time.
     aot_cache: bool = True
 
     @staticmethod

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 
 def fake_of_layout(mode, sizes, strides, offset, dtype, device):
     """A fake tensor of ``mode`` with this layout (int sizes, strides and storage offset): a meta
     tensor over a storage just long enough, wrapped as ``FakeTensor`` does (12 us on the CPU;
     through the mode's dispatch of ``empty`` and ``as_strided``, 280)."""
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
     with unset_fake_temporarily():
         return FakeTensor(mode, meta_of_layout(sizes, strides, offset, dtype), device)
 

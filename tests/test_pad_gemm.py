@@ -219,12 +219,12 @@ def test_emit_takes_meta_values_that_match_the_fake_modes(monkeypatch):
         # inside a fake mode (a cold compile runs in aot_autograd's) the same value, and the
         # mode's dispatch is not entered
         dispatched = []
-        real = FakeTensorMode.dispatch
-        monkeypatch.setattr(FakeTensorMode, "dispatch",
-                            lambda self, *a, **k: dispatched.append(a[0]) or real(self, *a, **k))
-        with mode:
-            inside = pad_gemm.emit(gm, op, (x, *rest), mode).meta["val"]
-        monkeypatch.setattr(FakeTensorMode, "dispatch", real)
+        dispatch = FakeTensorMode.dispatch
+        with monkeypatch.context() as patch:
+            patch.setattr(FakeTensorMode, "dispatch", lambda self, *a, **k:
+                          dispatched.append(a[0]) or dispatch(self, *a, **k))
+            with mode:
+                inside = pad_gemm.emit(gm, op, (x, *rest), mode).meta["val"]
         assert not dispatched, dispatched
         assert (inside.shape, inside.stride(), inside.storage_offset(), inside.dtype) == \
             (want.shape, want.stride(), want.storage_offset(), want.dtype), op
