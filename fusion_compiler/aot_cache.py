@@ -145,6 +145,13 @@ def _constant_values(gm) -> str:
     return h.hexdigest()
 
 
+# the AOTConfig fields that torch's key pickler reduces the config to (2.11-2.13), logged one by
+# one at DEBUG level
+_AOT_CONFIG_KEYED = ("num_params_buffers", "keep_inference_input_mutations", "is_export",
+                     "no_tangents", "dynamic_shapes", "aot_autograd_arg_pos_to_source",
+                     "static_input_indices", "enable_log", "pre_dispatch", "precompile_backend_id")
+
+
 def _key(mod, example_inputs, aot_config, *args, **kwargs):
     """torch's ``autograd_cache_key`` for the backend's entries: (key, debug lines)."""
     gm = mod.gm if isinstance(mod, GmWrapper) else mod
@@ -157,6 +164,9 @@ def _key(mod, example_inputs, aot_config, *args, **kwargs):
         if log.isEnabledFor(logging.DEBUG):     # what a miss in a later process differs in
             parts = {name: AOTAutogradCachePickler(gm).get_hash(value)[:12]
                      for name, value in vars(details).items()}
+            parts.update({f"aot_config.{name}": repr(value)[:200]
+                          for name, value in sorted(vars(aot_config).items())
+                          if name in _AOT_CONFIG_KEYED})
             log.debug("fusion-compiler: AOT cache key %s: %s", key, json.dumps(parts))
         return key, []
 
