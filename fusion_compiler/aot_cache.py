@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from .codegen.cache import source_fingerprint
+from .passes import late_decompose
 from .passes.shapes import fake_of_layout
 
 log = logging.getLogger("fusion_compiler")
@@ -301,6 +302,10 @@ class FusionOutputCode(OutputCode):
 def compiler(kind: str, finish: Callable, static_inputs: Callable[[], list]):
     """aot_autograd's compiler for ``kind`` graphs: ``finish`` compiles, the result is kept."""
     def compile_fn(gm: torch.fx.GraphModule, example_inputs) -> FusionOutputCode:
+        # the ops the trace kept whole, decomposed before the graph is kept: a warm compile
+        # then loads them decomposed, with no make_fx template to trace (its first costs
+        # 0.05-0.1 s in a process that has traced nothing)
+        late_decompose.run(gm, None)
         blob, why = _pickled(gm)        # first: the passes rewrite gm in place
         static = tuple(static_inputs())
         out = FusionOutputCode(kind=kind, static_inputs=static, blob=blob, not_kept=why)

@@ -25,7 +25,7 @@ from . import aot_cache, cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
-from .passes import fast_calls, sdpa_mask
+from .passes import fast_calls, late_decompose, sdpa_mask
 from .report import GraphReport, aten_compute_ops, publish
 from . import summary
 
@@ -264,7 +264,8 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     with young_gc(), kept:      # aot_autograd's tracing and the forward graph's passes
         return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                             inference_compiler=compiler("inference"),
-                            decompositions=decomposition_table(),
+                            decompositions=decomposition_table(
+                                late_decompose.deferred(gm, example_inputs)),
                             partition_fn=min_cut_rematerialization_partition
                             if partition == "min_cut" else default_partition,
                             )(gm, example_inputs)

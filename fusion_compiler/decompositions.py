@@ -128,6 +128,16 @@ def _table() -> dict:
     return table
 
 
-def decomposition_table() -> dict:
-    """The table aot_autograd lowers with (built once per process: 6 ms on the CPU)."""
-    return dict(_table())
+def full_table() -> dict:
+    """Every decomposition of the backend (built once per process: 6 ms on the CPU); not to
+    be changed by the caller."""
+    return _table()
+
+
+def decomposition_table(deferred=()) -> dict:
+    """The table aot_autograd lowers with: the full table less the ``deferred`` ops, which
+    passes/late_decompose.py decomposes after the trace."""
+    table = dict(_table())
+    for op in deferred:
+        table.pop(op, None)
+    return table

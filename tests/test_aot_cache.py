@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import fusion_compiler
 from fusion_compiler import aot_cache
+from fusion_compiler.passes import late_decompose
 from helpers import TOL, assert_close, kernel_count
 
 pytestmark = pytest.mark.skipif(aot_cache.available() is not None,
@@ -170,12 +171,18 @@ def test_an_inference_graph_is_kept_and_loaded(cache_dir, device, dtype):
     model = SplitHeads().to(device, dtype)
     x = torch.randn(3, 7, 24, device=device, dtype=dtype)
     counters.clear()
+    late_decompose._template.cache_clear()
     out1, first = infer(model, x)
     assert cache_events() == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
     assert len(aot_entries(cache_dir)) == 1
+    # the trace kept the softmax, the gelu and the layer norm whole; the entry holds them
+    # decomposed, so the loaded graph needs no template
+    assert late_decompose._template.cache_info().misses == 3
+    late_decompose._template.cache_clear()
     counters.clear()
     out2, second = infer(model, x)
     assert cache_events() == {"autograd_cache_hit": 1}
+    assert late_decompose._template.cache_info().misses == 0
     assert [r.kind for r in second] == ["inference"]
     keys = [sorted(k["key"] for r in reports for k in r.kernels) for reports in (first, second)]
     assert keys[0] == keys[1] and kernel_count(second) == kernel_count(first) > 0
