@@ -12,7 +12,7 @@ from . import (classify, column_sums, constant_fold, conv_bias, dedupe, empty_va
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Decide the fusion groups; no code is generated (what `dump` and CPU runs need). The
     passes rewrite ``gm``'s graph, not its Python code: a caller that runs it recompiles it."""
-    late_decompose.run(gm, ctx)     # layer norms the trace kept whole, decomposed (cheaper here)
+    late_decompose.run(gm, ctx)     # norms, activations, softmaxes the trace kept whole
     constant_fold.run(gm, ctx)      # values computed from constants alone: computed now, kept
     roll.run(gm, ctx)               # index_select by a constant rotation as a roll
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)

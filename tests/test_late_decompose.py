@@ -133,3 +133,15 @@ def test_deferred_only_for_inference_with_static_sizes():
     torch._dynamo.reset()
     torch.compile(fn, backend=backend, dynamic=True)(x, w.detach())
     assert seen["ops"] == [late_decompose.DEFERRED, late_decompose.DEFERRED, (), ()]
+
+
+def test_a_call_with_no_template_stays_an_aten_op(device, monkeypatch):
+    """Where the decomposition makes no template (it failed to trace), the call runs on ATen:
+    eager's numbers, the rest still fused."""
+    monkeypatch.setattr(late_decompose, "_template", lambda op, args, kwargs: None)
+    x = randn((3, 41), torch.float32, device)
+    w, b = randn((41,), torch.float32, device), randn((41,), torch.float32, device)
+    out, reports = compile_and_run(ln_gelu, (x, w, b))
+    assert leftover_aten(reports) == ["aten.native_layer_norm.default", "aten.gelu.default"]
+    assert kernel_count(reports) == 1          # the residual add between them
+    assert_close(out, ln_gelu(x, w, b))
