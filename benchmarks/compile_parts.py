@@ -16,6 +16,8 @@ backend and the seconds (and calls) of each part, timed by wrappers installed in
   _key, _pickled, loads the AOT cache's key, pickling the ATen graphs (cold), and unpickling
                         them (warm); aot make_entry, aot save: torch's making and writing
                         of the cache entry (cold)
+  late_decompose        the composite ops the trace kept whole, decomposed (before the AOT
+                        cache keeps a graph, and first in analyze)
   compile_aten_graph    the backend's work on one ATen graph; within it analyze, generate
                         (kernel_cache_load: the kernel modules; compile_launches: Triton's
                         compile or cache load on threads), partition, fast_calls
@@ -41,7 +43,7 @@ import torch
 import torch.fx
 from fusion_compiler import aot_cache, backend
 from fusion_compiler.codegen import cache as kernel_cache, precompile
-from fusion_compiler.passes import fast_calls, generate, partition, pipeline
+from fusion_compiler.passes import fast_calls, generate, late_decompose, partition, pipeline
 from torch._functorch._aot_autograd import autograd_cache
 
 # named apart from the step's own variables (it sets `seconds`)
@@ -102,6 +104,7 @@ timed(backend, "compile_aten_graph")
 timed(pipeline, "analyze")
 timed(generate, "run", "generate")
 timed(partition, "run", "partition")
+timed(late_decompose, "run", "late_decompose")
 timed(fast_calls, "run", "fast_calls")
 timed(precompile, "compile_launches")
 timed(kernel_cache.KernelCache, "load", "kernel_cache_load")
