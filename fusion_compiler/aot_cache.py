@@ -50,7 +50,7 @@ import torch
 
 from .codegen.cache import source_fingerprint
 from .passes import late_decompose
-from .passes.shapes import fake_of_layout
+from .passes.shapes import fake_of_layout, static_layout
 
 log = logging.getLogger("fusion_compiler")
 
@@ -233,11 +233,10 @@ def _layouts(val):
     """``val`` (a node's value) with its tensors as ``_Layout``s; ``_Dynamic`` where a size,
     stride or offset is symbolic."""
     if isinstance(val, torch.Tensor):
-        layout = _Layout((tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype,
-                          val.device))
-        if not all(type(n) is int for n in (*layout[0], *layout[1], layout[2])):
+        layout = static_layout(val)
+        if layout is None:
             raise _Dynamic
-        return layout
+        return _Layout(layout)
     if isinstance(val, (list, tuple)):
         return type(val)(_layouts(v) for v in val)
     if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):

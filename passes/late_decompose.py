@@ -26,12 +26,14 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .shapes import fake_of_layout
+from ..decompositions import full_table
+from .shapes import fake_of_layout, static_layout
 
 aten = torch.ops.aten
 log = logging.getLogger("fusion_compiler")
@@ -70,18 +72,13 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-def _layout(value) -> tuple | None:
-    """(sizes, strides, offset, dtype, device) of a fake tensor with static sizes."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    layout = (tuple(value.shape), tuple(value.stride()), value.storage_offset())
-    if not all(type(n) is int for n in (*layout[0], *layout[1], layout[2])):
-        return None
-    return (*layout, value.dtype, value.device)
+class _TensorArg(NamedTuple):
+    """A tensor argument in a call's signature: its layout (``shapes.static_layout``)."""
+    layout: tuple
 
 
 def _signature(node) -> tuple | None:
-    """(op, args, kwargs) with each tensor argument as ("tensor", its layout); None where an
+    """(op, args, kwargs) with each tensor argument as a ``_TensorArg``; None where an
     argument is not a static tensor or a hashable constant, or a keyword argument a tensor."""
     if any(isinstance(v, (torch.fx.Node, list, tuple)) for v in node.kwargs.values()):
         return None
@@ -89,10 +86,10 @@ def _signature(node) -> tuple | None:
     for arg in node.args:
         if isinstance(arg, torch.fx.Node):
             value = arg.meta.get("val")
-            layout = _layout(value)
+            layout = static_layout(value)
             if layout is None or getattr(value, "fake_mode", None) is None:
                 return None
-            arg = ("tensor", layout)
+            arg = _TensorArg(layout)
         elif isinstance(arg, list):
             arg = tuple(arg)
         args.append(arg)
@@ -107,31 +104,25 @@ def _signature(node) -> tuple | None:
 @functools.lru_cache(maxsize=256)
 def _template(op, args, kwargs) -> torch.fx.GraphModule | None:
     """``op`` on fake tensors of these layouts, traced through the decomposition table."""
-    from ..decompositions import full_table
-
     def call(*tensors):
         it = iter(tensors)
-        return op(*[next(it) if _is_tensor(a) else list(a) if isinstance(a, tuple) else a
-                    for a in args], **dict(kwargs))
+        return op(*[next(it) if isinstance(a, _TensorArg) else list(a) if isinstance(a, tuple)
+                    else a for a in args], **dict(kwargs))
 
     try:
         with unset_fake_temporarily():      # a cold compile runs inside aot_autograd's mode
             mode = FakeTensorMode()
-            fakes = [fake_of_layout(mode, *a[1]) for a in args if _is_tensor(a)]
+            fakes = [fake_of_layout(mode, *a.layout) for a in args if isinstance(a, _TensorArg)]
             with mode:
                 template = make_fx(call, decomposition_table=full_table())(*fakes)
     except Exception as exc:  # noqa: BLE001 - the call stays an ATen op
         log.info("fusion-compiler: %s kept whole, its decomposition did not trace (%s: %s)",
                  op, type(exc).__name__, exc)
         return None
-    if any(_layout(n.meta.get("val")) is None for n in template.graph.nodes
+    if any(static_layout(n.meta.get("val")) is None for n in template.graph.nodes
            if n.op == "call_function"):
         return None         # a value the copies could not be given (not a static tensor)
     return template
-
-
-def _is_tensor(arg) -> bool:
-    return isinstance(arg, tuple) and len(arg) == 2 and arg[0] == "tensor"
 
 
 def _inline(gm, node, template) -> None:
@@ -156,7 +147,7 @@ def _inline(gm, node, template) -> None:
             copy = graph.create_node("call_function", t.target,
                                      *torch.fx.map_arg((t.args, t.kwargs), env.__getitem__),
                                      name=t.name)
-            copy.meta["val"] = fake_of_layout(mode, *_layout(t.meta["val"]))
+            copy.meta["val"] = fake_of_layout(mode, *static_layout(t.meta["val"]))
             env[t] = copy
     if single:
         node.replace_all_uses_with(env[outputs[0]])

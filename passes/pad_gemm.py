@@ -37,7 +37,7 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from .shapes import meta_of_layout
+from .shapes import meta_of_layout, static_layout
 
 aten = torch.ops.aten
 log = logging.getLogger("fusion_compiler")
@@ -83,16 +83,14 @@ def _meta_value(op, values, mode):
     """``op``'s value on ``values`` from its meta kernel, as a fake tensor of ``mode``; None
     where a value has a symbolic size (a meta tensor cannot) or is not a tensor of ``mode``."""
     tensor = values[0]
-    if not isinstance(tensor, torch.Tensor) or getattr(tensor, "fake_mode", None) is not mode:
+    layout = static_layout(tensor)
+    if layout is None or getattr(tensor, "fake_mode", None) is not mode:
         return None
-    layout = (*tensor.shape, *tensor.stride(), tensor.storage_offset())
     rest = [x for v in values[1:] for x in (v if isinstance(v, (list, tuple)) else [v])]
-    if not all(type(n) is int for n in (*layout, *rest) if not isinstance(n, torch.dtype)):
+    if not all(type(n) is int for n in rest if not isinstance(n, torch.dtype)):
         return None
     with unset_fake_temporarily():     # a cold compile runs inside aot_autograd's fake mode
-        meta = meta_of_layout(tensor.shape, tensor.stride(), tensor.storage_offset(),
-                              tensor.dtype)
-        return FakeTensor(mode, op(meta, *values[1:]), tensor.device)
+        return FakeTensor(mode, op(meta_of_layout(*layout[:4]), *values[1:]), tensor.device)
 
 
 def _pad(gm, node, pads, mode):

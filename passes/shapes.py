@@ -18,6 +18,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 
+def static_layout(value) -> tuple | None:
+    """(sizes, strides, storage offset, dtype, device) of a tensor whose sizes, strides and
+    offset are all ints (``fake_of_layout`` makes it again); None otherwise."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    sizes, strides, offset = tuple(value.shape), tuple(value.stride()), value.storage_offset()
+    if not all(type(n) is int for n in (*sizes, *strides, offset)):
+        return None
+    return sizes, strides, offset, value.dtype, value.device
+
+
 def fake_of_layout(mode, sizes, strides, offset, dtype, device):
     """A fake tensor of ``mode`` with this layout (int sizes, strides and storage offset): a meta
     tensor over a storage just long enough, wrapped as ``FakeTensor`` does (12 us on the CPU;
