@@ -304,8 +304,8 @@ def compiler(kind: str, finish: Callable, static_inputs: Callable[[], list]):
         # the ops the trace kept whole, decomposed before the graph is kept: a warm compile
         # then loads them decomposed and traces no make_fx template (GPT-2 8 x 512's warm
         # analysis on the CPU: 0.30-0.36 s running the pass on the loaded graph, 0.19-0.26
-        # loading it decomposed). An error here is met again in the pipeline, which handles
-        # it (FUSION_COMPILER_STRICT or the ATen graph)
+        # loading it decomposed). An error here is met again in the pipeline, which raises it
+        # (FUSION_COMPILER_STRICT) or leaves the op to ATen
         try:
             late_decompose.run(gm, None)
         except Exception as exc:  # noqa: BLE001

@@ -19,7 +19,8 @@ fake tensor of the graph's mode with the template's layout.
 
 Only inference graphs with static sizes keep these ops whole (``deferred``): a training
 graph's forward and backward are partitioned inside aot_autograd, from the decomposed joint
-graph. A call whose values have symbolic sizes, or that makes no template, stays an ATen op.
+graph. A call whose values have symbolic sizes, or that makes no template, stays an ATen op
+(a failed trace raises under FUSION_COMPILER_STRICT, else warns).
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def deferred(gm: torch.fx.GraphModule, example_inputs) -> tuple:
         return ()
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value")
-        if isinstance(value, torch.SymInt) or isinstance(value, torch.Tensor) and not all(
-                isinstance(s, int) for s in (*value.shape, *value.stride())):
+        if isinstance(value, torch.SymInt) or isinstance(value, torch.Tensor) and \
+                static_layout(value) is None:
             return ()
     return DEFERRED
 
@@ -66,7 +67,16 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                                                                      target=op)]
     for node in calls:
         signature = _signature(node)
-        template = _template(*signature) if signature is not None else None
+        if signature is None:
+            continue
+        try:
+            template = _template(*signature)
+        except Exception as exc:  # noqa: BLE001 - not cached: the next graph tries again
+            if ctx is None or ctx.config.strict:
+                raise
+            log.warning("fusion-compiler: %s left to ATen unfused: its decomposition did not "
+                        "trace (%s: %s)", node.target, type(exc).__name__, exc)
+            continue
         if template is not None:
             _inline(gm, node, template)
     return gm
@@ -103,22 +113,18 @@ def _signature(node) -> tuple | None:
 
 @functools.lru_cache(maxsize=256)
 def _template(op, args, kwargs) -> torch.fx.GraphModule | None:
-    """``op`` on fake tensors of these layouts, traced through the decomposition table."""
+    """``op`` on fake tensors of these layouts, traced through the decomposition table; None
+    where a value of it is not a static tensor. A failed trace raises (and is not cached)."""
     def call(*tensors):
         it = iter(tensors)
         return op(*[next(it) if isinstance(a, _TensorArg) else list(a) if isinstance(a, tuple)
                     else a for a in args], **dict(kwargs))
 
-    try:
-        with unset_fake_temporarily():      # a cold compile runs inside aot_autograd's mode
-            mode = FakeTensorMode()
-            fakes = [fake_of_layout(mode, *a.layout) for a in args if isinstance(a, _TensorArg)]
-            with mode:
-                template = make_fx(call, decomposition_table=full_table())(*fakes)
-    except Exception as exc:  # noqa: BLE001 - the call stays an ATen op
-        log.info("fusion-compiler: %s kept whole, its decomposition did not trace (%s: %s)",
-                 op, type(exc).__name__, exc)
-        return None
+    with unset_fake_temporarily():      # a cold compile runs inside aot_autograd's mode
+        mode = FakeTensorMode()
+        fakes = [fake_of_layout(mode, *a.layout) for a in args if isinstance(a, _TensorArg)]
+        with mode:
+            template = make_fx(call, decomposition_table=full_table())(*fakes)
     if any(static_layout(n.meta.get("val")) is None for n in template.graph.nodes
            if n.op == "call_function"):
         return None         # a value the copies could not be given (not a static tensor)
