@@ -4,6 +4,7 @@
     python benchmarks/compile_time.py examples/llama.py:bench_4x1024 --compile-threads 0 8
     python benchmarks/compile_time.py examples/bert.py:bench_16x256 --no-inductor \
         --profile-cold 60 --sample        # where the cold compile's main thread spends its time
+    python benchmarks/compile_time.py examples/gpt2.py:bench_8x512 --repeat 3
 
 For each target, in this order, each in its own Python process (so nothing is cached in memory):
   aot_eager          Dynamo + aot_autograd, no compiler: what every backend pays before its own work
@@ -35,6 +36,11 @@ starts). The columns:
                   loading the stored choices; 0 when autotuning is off, as by default:
                   ``--autotune K`` adds runs with it on); "(workers: N of M)": N of the M
                   Triton kernels compiled at compile time were compiled by worker processes
+With ``--repeat N`` (N > 1), N - 1 more aot_eager and fusion cold processes follow, alternating,
+each fusion one on empty caches of its own; a last line per target gives the medians of the N
+aot_eager and N fusion cold "in backend" times, their difference (own, median) and its ratio to
+Inductor's own: one aot_eager process's noise no longer decides the ratio (session 34: a GPT-2
+reading of 0.28 came from an aot_eager process 0.5-0.7 s faster than two others).
 Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -145,7 +151,7 @@ def show(r: dict) -> None:
 
 
 def measure(target: str, threads=(None,), inductor=True, profile=0,
-            profile_run="warm", autotune=0, sample=False) -> list[dict]:
+            profile_run="warm", autotune=0, sample=False, repeat=1) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,7 +192,39 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
                                 if r.get("by_workers", [0])[0] else "")
                              if backend == "fusion" else ""})
                 show(rows[-1])
+        for i in range(1, repeat):
+            again = first_call(target, "aot_eager", env(f"aot{i}"))
+            rows.append({"target": target, "run": f"aot_eager {i + 1}", "seconds": again["seconds"],
+                         "in_backend": again["in_backend"],
+                         "after_compile": again["seconds"] - again["dynamo"]})
+            show(rows[-1])
+            r = first_call(target, "fusion", env(f"fusion{i}"))
+            rows.append({"target": target, "run": f"fusion cold {i + 1}", "seconds": r["seconds"],
+                         "in_backend": r["in_backend"],
+                         "own_seconds": r["in_backend"] - again["in_backend"],
+                         "passes_seconds": r["passes"]})
+            show(rows[-1])
+        if repeat > 1:
+            rows.append(medians(target, rows))
+            print(f"{target:34s} median of {repeat}: {json.dumps(rows[-1]['medians'])}", flush=True)
     return rows
+
+
+def medians(target: str, rows: list[dict]) -> dict:
+    """The median aot_eager and fusion cold in-backend times of ``rows``, own as their
+    difference, and own against Inductor's (one cold process)."""
+    def median(run):
+        v = sorted(r["in_backend"] for r in rows
+                   if r["run"] == run or r["run"].removeprefix(run + " ").isdigit())
+        return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    aot, fusion = median("aot_eager"), median("fusion cold")
+    out = {"aot_eager in backend": round(aot, 3), "fusion cold in backend": round(fusion, 3),
+           "fusion own": round(fusion - aot, 3)}
+    inductor = [r["own_seconds"] for r in rows if r["run"] == "inductor cold"]
+    if inductor:
+        out["inductor own"] = round(inductor[0], 3)
+        out["own / inductor own"] = round((fusion - aot) / inductor[0], 3)
+    return {"target": target, "run": "medians", "medians": out}
 
 
 def main() -> int:
@@ -210,13 +248,16 @@ def main() -> int:
     parser.add_argument("--autotune", type=int, default=0, metavar="K",
                         help="also run fusion with FUSION_COMPILER_AUTOTUNE=K (cold: the tuning "
                              "is timed; warm: its stored choices are loaded)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="N aot_eager and N fusion cold processes in all, alternating; "
+                             "a last line gives their medians and the ratio from them")
     args = parser.parse_args()
     print(HEADER, flush=True)
     rows = [row for t in args.targets
             for row in measure(t, args.compile_threads, not args.no_inductor,
                                args.profile_cold or args.profile_warm,
                                "cold" if args.profile_cold else "warm", args.autotune,
-                               args.sample)]
+                               args.sample, args.repeat)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,7 +16,8 @@
 #   models     `bench` on $MODELS
 #   zoo        `bench` on $ZOO (benchmarks/hf_zoo.py's architectures; about 70 s each)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
-#   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS
+#   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS (time limit $COMPILE_LIMIT s
+#              a target, 150)
 #   profile    where fusion's cold compile of $PROFILE_TARGET spends its main thread's time
 #   costmodel  `calibrate`, then `dump --measure` of each of $MODELS (the measured tables in the
 #              log; the GPU's clock and a host-speed probe in $OUT/probe.log)
@@ -84,7 +85,8 @@ for s in $STEPS; do
             step pyc 90 "python3 -m compileall -q -j 16 $sp . > /dev/null; du -sh /tmp/pyc"
         fi
         if [ $s = compile ]; then
-            step compile $(( 150 * $(echo $COMPILE_TARGETS | wc -w) )) "python3 \
+            # 150 s a target; --repeat N adds about 30 s a target for each further round
+            step compile $(( ${COMPILE_LIMIT:-150} * $(echo $COMPILE_TARGETS | wc -w) )) "python3 \
                 benchmarks/compile_time.py $COMPILE_TARGETS ${COMPILE_ARGS:-} \
                 -o $OUT/compile.json 2>&1 | $quiet"
         else
