@@ -184,7 +184,8 @@ def prepare_driver() -> None:
     driver of its own at once, six gcc runs side by side, and that was most of a cold Triton
     phase (Llama 1 x 128: six gcc runs over 0.6-0.78 s of the phase's 1.05 s, session 15,
     ``benchmarks/triton_phase.py``). gcc runs outside the GIL, so the thread costs the tracing
-    little. ``compile_launches`` waits for it."""
+    little. It also takes the backend's hash (ptxas's version). ``compile_launches`` waits for
+    it."""
     global _DRIVER
     if _DRIVER is None:
         _DRIVER = threading.Thread(target=_create_driver, name="fc-triton-driver", daemon=True)
@@ -193,9 +194,14 @@ def prepare_driver() -> None:
 
 def _create_driver() -> None:
     try:
+        from triton.compiler.compiler import make_backend
         from triton.runtime import driver
 
         driver.active.utils         # noqa: B018  (created on first use)
+        # the backend's part of every kernel's cache key: on CUDA it runs `ptxas --version`
+        # (twice, each cached for the process), which a warm compile's first cache lookup
+        # would otherwise wait for (get_ptxas 0.1 s under cProfile in a warm GPT-2 compile)
+        make_backend(driver.active.get_current_target()).hash()
     except Exception as exc:        # the compile threads will meet it again, and report it
         log.debug("fusion-compiler: Triton's driver not prepared (%s)", exc)
 

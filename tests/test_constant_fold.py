@@ -184,3 +184,58 @@ def test_sizes_from_the_inputs_are_not_constants(monkeypatch, device):
         y = torch.randn(3, 12, 5, device=device)
         assert_close(fn(y), gpt2_mask_attention(y))
     assert graphs and all(not _constants(gm) for gm in graphs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_integer_and_selection_ops_are_computed_on_the_host(monkeypatch, device, dtype):
+    """The GPT-2 mask's chain (arange, cat, sub, ne, cumsum, index, le, eq, and: integers and
+    booleans; where: a selection) runs on the CPU, where it gives the device's bits, and only
+    the kept mask is moved to the device; an op with float arithmetic (exp) runs on the
+    device, its input moved there."""
+    def fn(x):
+        s = x.shape[1]
+        pos = torch.arange(s, device=x.device)
+        keep = (pos[None, :] <= pos[:, None])
+        mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)
+        scale = torch.arange(s, device=x.device, dtype=torch.float32).mul(0.1).exp()
+        return (torch.bmm(x, x.transpose(1, 2)) + mask).softmax(-1) * scale.to(x.dtype)
+
+    ran_on = {}         # op -> the devices its folded calls ran on
+    evaluate = constant_fold._evaluate
+
+    def recorded(node, values):
+        value = evaluate(node, values)
+        if value is not None:
+            ran_on.setdefault(str(node.target), set()).add(value.device.type)
+        return value
+    monkeypatch.setattr(constant_fold, "_evaluate", recorded)
+    x = torch.randn(3, 9, 5, device=device, dtype=dtype)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
+    assert_close(out, fn(x), dtype=dtype)
+    assert ran_on["aten.le.Tensor"] == ran_on["aten.where.self"] == {"cpu"}, ran_on
+    assert ran_on["aten.unsqueeze.default"] == {"cpu"}, ran_on
+    assert ran_on["aten.exp.default"] == ran_on["aten.mul.Tensor"] == {device}, ran_on
+    # the integer arange on the CPU, the float one (mul's input) on the device
+    assert ran_on["aten.arange.start_step"] == {"cpu", device}, ran_on
+    assert len(_constants(gm)) == 2, gm.code            # the mask and the scale
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == ["aten.bmm.default"]
+    for n in _constants(gm):
+        assert getattr(gm, n.target).device.type == device
+
+
+def test_a_kept_view_keeps_its_layout_on_the_device():
+    """``placed`` copies a value's whole storage and takes the same view of it: an expanded
+    tensor (stride 0) and a view at an offset keep their strides, not a dense copy's. On a
+    machine without a GPU the meta device stands in (layouts only)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "meta")
+
+    class Node:     # what placed reads of a graph node: its traced value's device
+        meta = {"val": torch.empty(0, device=device)}
+    base = torch.arange(24, dtype=torch.int64).view(4, 6)
+    for value in (base[:, 2:5], base[1].expand(3, 6), base.t(), torch.tensor(True).expand(2, 2)):
+        moved = constant_fold.placed(value, Node)
+        assert moved.device == device
+        assert (moved.shape, moved.stride(), moved.storage_offset()) \
+            == (value.shape, value.stride(), value.storage_offset())
+        if device.type == "cuda":
+            assert torch.equal(moved.cpu(), value)
