@@ -234,7 +234,7 @@ def test_a_kept_view_keeps_its_layout_on_the_device():
     base = torch.arange(24, dtype=torch.int64).view(4, 6)
     for value in (base[:, 2:5], base[1].expand(3, 6), base.t(), torch.tensor(True).expand(2, 2)):
         moved = constant_fold.placed(value, Node)
-        assert moved.device == device
+        assert moved.device.type == device.type
         assert (moved.shape, moved.stride(), moved.storage_offset()) \
             == (value.shape, value.stride(), value.storage_offset())
         if device.type == "cuda":
