@@ -4,11 +4,11 @@ Threads compile kernels in this process (codegen/precompile.py), but Triton's fr
 Python and holds the GIL, and the first compile of a process pays Triton's lazy imports and
 set-up: on the H200 device's host a cold Triton phase took 0.65-1.11 s for 5-6 kernels
 (session 14). Workers (codegen/compile_worker.py) import Triton only, start as the backend does
-(``start``, before aot_autograd traces), and are warm by the time the kernels are known. Each
-compiles a kernel into Triton's on-disk cache; this process's compile of it is then a cache
-hit. The request names the kernel by its module's file and carries the arguments Triton's own
-``JITFunction.run`` would compile with (``precompile.bind_for_target``), so the worker's cache
-entry is the one this process looks up.
+(``start``, before aot_autograd traces; not for a graph the AOT cache loads), and are warm by
+the time the kernels are known. Each compiles a kernel into Triton's on-disk cache; this
+process's compile of it is then a cache hit. The request names the kernel by its module's
+file and carries the arguments Triton's own ``JITFunction.run`` would compile with
+(``precompile.bind_for_target``), so the worker's cache entry is the one this process looks up.
 
 Nothing depends on a worker: one that is not ready yet takes no kernel, one that fails a
 kernel or dies leaves it to this process's threads, which compile it as before (and report

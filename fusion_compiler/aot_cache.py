@@ -78,6 +78,10 @@ _CONFIG_FLAGS = ("enable_autograd_cache", "bundled_autograd_cache",
 # the backend's graph compiler for the compile in progress: (aten_gm, kind, static inputs) ->
 # boxed callable. Set by context(); post_compile (a cache hit) compiles with it.
 _finish: contextvars.ContextVar = contextvars.ContextVar("fusion_aot_finish", default=None)
+# called, once the key is known, when no entry is stored under it: the graph will be traced and
+# compiled (the backend starts its compile workers then; a hit needs none: its kernels are in
+# Triton's cache). Set by context()
+_on_miss: contextvars.ContextVar = contextvars.ContextVar("fusion_aot_on_miss", default=None)
 
 
 def available() -> str | None:
@@ -154,7 +158,36 @@ _AOT_CONFIG_KEYED = ("num_params_buffers", "keep_inference_input_mutations", "is
 
 
 def _key(mod, example_inputs, aot_config, *args, **kwargs):
-    """torch's ``autograd_cache_key`` for the backend's entries: (key, debug lines)."""
+    """torch's ``autograd_cache_key`` for the backend's entries: (key, debug lines). Where no
+    entry is stored under the key, or the graph is not cached at all, the ``on_miss`` callback
+    of ``context`` runs first."""
+    try:
+        key, lines = _entry_key(mod, example_inputs, aot_config)
+    except BaseException:
+        _missing()
+        raise
+    if not _stored(key):
+        _missing()
+    return key, lines
+
+
+def _stored(key: str) -> bool:
+    """Whether an entry is stored under ``key`` (torch keeps a key's entries in a folder of
+    that name). One that then fails to load is a miss that found workers not started: its
+    kernels compile on threads, as without workers."""
+    try:
+        return any((Path(AOTAutogradCache._get_tmp_dir()) / key).iterdir())
+    except OSError:
+        return False
+
+
+def _missing() -> None:
+    callback = _on_miss.get()
+    if callback is not None:
+        callback()
+
+
+def _entry_key(mod, example_inputs, aot_config):
     gm = mod.gm if isinstance(mod, GmWrapper) else mod
     if hasattr(gm, "saved_tensors_hooks_pack_0"):
         raise BypassAOTAutogradCache("fusion-compiler: saved tensors hooks are not cached")
@@ -320,11 +353,13 @@ def compiler(kind: str, finish: Callable, static_inputs: Callable[[], list]):
 
 
 @contextlib.contextmanager
-def context(folder: Path, finish: Callable):
-    """aot_autograd, inside this, reads and writes the backend's entries in ``folder``."""
+def context(folder: Path, finish: Callable, on_miss: Callable[[], None] | None = None):
+    """aot_autograd, inside this, reads and writes the backend's entries in ``folder``;
+    ``on_miss()`` runs before a graph with no stored entry is traced."""
     import torch._functorch.config as functorch_config
 
     token = _finish.set(finish)
+    miss_token = _on_miss.set(on_miss)
     saved_dir = AOTAutogradCache.__dict__["_get_tmp_dir"]
     saved_key = _torch_cache.autograd_cache_key
     AOTAutogradCache._get_tmp_dir = classmethod(lambda cls: str(folder))
@@ -336,3 +371,4 @@ def context(folder: Path, finish: Callable):
         AOTAutogradCache._get_tmp_dir = saved_dir
         _torch_cache.autograd_cache_key = saved_key
         _finish.reset(token)
+        _on_miss.reset(miss_token)

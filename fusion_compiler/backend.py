@@ -215,6 +215,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return gm.forward
     cuda = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda),
                 None)
+    start_workers = None
     if cuda is not None and not interpreting():
         # Triton's key for its kernel cache, hashed by a helper process while we trace
         from .codegen import precompile, triton_key
@@ -222,10 +223,13 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         if config.compile_threads > 0:
             precompile.prepare_driver()     # its gcc run, while we trace
             if config.compile_workers > 0 and torch.version.hip is None:
-                # worker processes get ready to compile this graph's kernels while we trace
                 from .codegen import compile_pool
                 major, minor = torch.cuda.get_device_capability(cuda)
-                compile_pool.start(config.compile_workers, 10 * major + minor, known)
+                # worker processes get ready to compile this graph's kernels while we trace;
+                # not for a graph the AOT cache loads (its kernels are in Triton's cache:
+                # eight processes starting Triton would only compete with it)
+                start_workers = functools.partial(compile_pool.start, config.compile_workers,
+                                                  10 * major + minor, known)
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")
@@ -254,12 +258,15 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if config.aot_cache and _aot_cache_usable():
         def compiler(kind):
             return aot_cache.compiler(kind, finish, cudagraphs.static_input_indices)
-        kept = aot_cache.context(aot_cache.namespace(config.cache_dir, partition), finish)
+        kept = aot_cache.context(aot_cache.namespace(config.cache_dir, partition), finish,
+                                 on_miss=start_workers)
     else:
         def compiler(kind):
             return lambda aten_gm, _inputs: finish(aten_gm, kind,
                                                    cudagraphs.static_input_indices())
         kept = contextlib.nullcontext()
+        if start_workers is not None:
+            start_workers()
 
     with young_gc(), kept:      # aot_autograd's tracing and the forward graph's passes
         return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),

@@ -284,6 +284,62 @@ def test_a_damaged_entry_is_compiled_again(cache_dir, device):
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
 
 
+def test_the_miss_callback_runs_before_a_trace_only(cache_dir, device, monkeypatch):
+    """``context``'s ``on_miss`` (the backend starts its compile workers with it) runs once the
+    key is known and no entry is stored under it: on the first compile, and on every compile of
+    a graph that is not kept (dynamic shapes); not on a compile that loads the entry."""
+    calls = []
+    context = aot_cache.context
+    monkeypatch.setattr(aot_cache, "context", lambda folder, finish, on_miss=None: context(
+        folder, finish, on_miss=lambda: calls.append(1)))
+    model = Block().to(device)
+    x = torch.randn(7, 41, device=device)
+    counters.clear()
+    out, _, reports = step(model, x)
+    assert calls == [1] and cache_events()["autograd_cache_miss"] == 1
+    calls.clear()
+    counters.clear()
+    again, _, loaded = step(model, x)
+    assert calls == [] and cache_events()["autograd_cache_hit"] == 1
+    assert kernel_count(loaded, "forward") == kernel_count(reports, "forward") > 0
+    assert torch.equal(again, out)
+    assert_close(again, eager_step(model, x)[0])
+    for _ in range(2):          # (the callback may run more than once: starting is idempotent)
+        calls.clear()
+        counters.clear()
+        step(model, torch.randn(9, 41, device=device), dynamic=True)
+        assert calls and "autograd_cache_hit" not in cache_events()
+
+
+@pytest.mark.gpu
+def test_a_loaded_graph_starts_no_compile_workers(cache_dir, monkeypatch):
+    """On the GPU a compile that loads its graph from the AOT cache starts no compile workers:
+    its kernels are in Triton's cache (eight processes starting Triton would only compete with
+    it). The first compile starts them."""
+    import os
+
+    from fusion_compiler.codegen import compile_pool
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("FUSION_COMPILER_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(compile_pool, "_POOL", None)
+    model = Block().cuda().to(torch.bfloat16)
+    x = torch.randn(7, 41, device="cuda", dtype=torch.bfloat16)
+    try:
+        step(model, x)
+        assert compile_pool.current() is not None
+    finally:
+        if compile_pool.current() is not None:
+            compile_pool.current().close()
+        monkeypatch.setattr(compile_pool, "_POOL", None)
+    counters.clear()
+    out, _, reports = step(model, x)
+    assert cache_events()["autograd_cache_hit"] == 1
+    assert compile_pool.current() is None
+    assert kernel_count(reports, "backward") > 0
+    assert_close(out, eager_step(model, x)[0], dtype=torch.bfloat16)
+
+
 def test_tensor_constants_are_keyed_by_value():
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     gm.table = torch.arange(6.0)
