@@ -25,8 +25,10 @@ Values are computed on the CPU where that gives the device's bits: integers and 
 ops that compute nothing (views, ``where``, ``cat``, ``index``, a ``full``) whatever their dtype.
 A float op with arithmetic runs on the graph's device, its inputs moved there. Only the kept
 values are moved (their storage whole, so an expanded view keeps its strides). On the GPU each
-ATen op's first use in a process loads its kernels: the GPT-2 mask's chain, run on the H200,
-took 0.55 s of a warm compile's 1.1 s (main thread sampled, session 35).
+ATen op's first use in a process loads its CUDA kernels; the CPU's ops are loaded already. (A
+sampled profile of a warm GPT-2 compile on the H200 put this pass at 0.55 s: an over-count, as
+the sampling thread runs when CUDA calls release the GIL; the change made no difference to the
+warm compile that session 35's runs could see.)
 
 One rewrite uses the folded values: ``embedding(weight, idx)`` with a constant ``idx`` of
 consecutive indices ``[start, start + n)`` (GPT-2's positions) is a slice of the weight's rows,
