@@ -36,10 +36,10 @@ starts). The columns:
                   loading the stored choices; 0 when autotuning is off, as by default:
                   ``--autotune K`` adds runs with it on); "(workers: N of M)": N of the M
                   Triton kernels compiled at compile time were compiled by worker processes
-With ``--repeat N`` (N > 1), N - 1 more aot_eager and fusion cold processes follow, alternating,
-each fusion one on empty caches of its own; a last line per target gives the medians of the N
-aot_eager and N fusion cold "in backend" times, their difference (own, median) and its ratio to
-Inductor's own: one aot_eager process's noise no longer decides the ratio (session 34: a GPT-2
+With ``--repeat N`` (N > 1), N - 1 more rounds follow: an aot_eager process, then a fusion cold
+one on empty caches of its own and a fusion warm one on those caches; a last line per target
+gives the medians of the N aot_eager, N fusion cold and N fusion warm "in backend" times, the
+cold one less the aot_eager one (own, median) and its ratio to Inductor's own: one aot_eager process's noise no longer decides the ratio (session 34: a GPT-2
 reading of 0.28 came from an aot_eager process 0.5-0.7 s faster than two others).
 Needs a CUDA GPU.
 """
@@ -198,12 +198,13 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
                          "in_backend": again["in_backend"],
                          "after_compile": again["seconds"] - again["dynamo"]})
             show(rows[-1])
-            r = first_call(target, "fusion", env(f"fusion{i}"))
-            rows.append({"target": target, "run": f"fusion cold {i + 1}", "seconds": r["seconds"],
-                         "in_backend": r["in_backend"],
-                         "own_seconds": r["in_backend"] - again["in_backend"],
-                         "passes_seconds": r["passes"]})
-            show(rows[-1])
+            for run in ("cold", "warm"):
+                r = first_call(target, "fusion", env(f"fusion{i}"))
+                rows.append({"target": target, "run": f"fusion {run} {i + 1}",
+                             "seconds": r["seconds"], "in_backend": r["in_backend"],
+                             "own_seconds": r["in_backend"] - again["in_backend"],
+                             "passes_seconds": r["passes"]})
+                show(rows[-1])
         if repeat > 1:
             rows.append(medians(target, rows))
             print(f"{target:34s} median of {repeat}: {json.dumps(rows[-1]['medians'])}", flush=True)
@@ -219,7 +220,8 @@ def medians(target: str, rows: list[dict]) -> dict:
         return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
     aot, fusion = median("aot_eager"), median("fusion cold")
     out = {"aot_eager in backend": round(aot, 3), "fusion cold in backend": round(fusion, 3),
-           "fusion own": round(fusion - aot, 3)}
+           "fusion own": round(fusion - aot, 3),
+           "fusion warm in backend": round(median("fusion warm"), 3)}
     inductor = [r["own_seconds"] for r in rows if r["run"] == "inductor cold"]
     if inductor:
         out["inductor own"] = round(inductor[0], 3)
@@ -249,8 +251,8 @@ def main() -> int:
                         help="also run fusion with FUSION_COMPILER_AUTOTUNE=K (cold: the tuning "
                              "is timed; warm: its stored choices are loaded)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="N aot_eager and N fusion cold processes in all, alternating; "
-                             "a last line gives their medians and the ratio from them")
+                        help="N rounds of aot_eager, fusion cold and fusion warm processes in "
+                             "all; a last line gives their medians and the ratio from them")
     args = parser.parse_args()
     print(HEADER, flush=True)
     rows = [row for t in args.targets

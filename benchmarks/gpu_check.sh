@@ -90,7 +90,7 @@ for s in $STEPS; do
             step pyc 120 "python3 -m compileall -q -j 16 $sp $std . > /dev/null; du -sh /tmp/pyc"
         fi
         if [ $s = compile ]; then
-            # 150 s a target; --repeat N adds about 30 s a target for each further round
+            # 150 s a target; --repeat N adds about 35 s a target for each further round
             step compile $(( ${COMPILE_LIMIT:-150} * $(echo $COMPILE_TARGETS | wc -w) )) "python3 \
                 benchmarks/compile_time.py $COMPILE_TARGETS ${COMPILE_ARGS:-} \
                 -o $OUT/compile.json 2>&1 | $quiet"
