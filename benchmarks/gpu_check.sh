@@ -83,10 +83,9 @@ for s in $STEPS; do
             # the whole site-packages: with only torch, triton, transformers, sympy and networkx
             # compiled, a GPT-2 training process compiled 1570 modules from source (sessions
             # 33-34); with all of it, a warm GPT-2 inference compile still compiled 25 files
-            # (0.10-0.15 s, session 35): its kernel modules, and standard library modules, whose
-            # .pyc files are not under the prefix (the same setup on the CPU: 6 kernel modules,
-            # and concurrent/futures/process.py and multiprocessing/queues.py); so the standard
-            # library is compiled too
+            # (0.10-0.15 s, session 35; which ones was not recorded there). The same setup on
+            # the CPU compiled 6 kernel modules and two standard library modules, whose .pyc
+            # files are not under the prefix; so the standard library is compiled too
             step pyc 120 "python3 -m compileall -q -j 16 $sp $std . > /dev/null; du -sh /tmp/pyc"
         fi
         if [ $s = compile ]; then

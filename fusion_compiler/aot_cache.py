@@ -163,7 +163,7 @@ def _key(mod, example_inputs, aot_config, *args, **kwargs):
     of ``context`` runs first."""
     try:
         key, lines = _entry_key(mod, example_inputs, aot_config)
-    except BaseException:
+    except Exception:           # not cached (a bypass): traced and compiled
         _missing()
         raise
     if not _stored(key):
