@@ -208,7 +208,10 @@ def test_integer_and_selection_ops_are_computed_on_the_host(monkeypatch, device,
     x = torch.randn(3, 9, 5, device=device, dtype=dtype)
     out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
     assert_close(out, fn(x), dtype=dtype)
-    on_device = {"aten.exp.default", "aten.mul.Tensor"}
+    # mul and exp do float arithmetic; the cast to a narrower dtype reads exp's result, which
+    # is already on the device (float32 has no cast)
+    on_device = {"aten.exp.default", "aten.mul.Tensor"} \
+        | ({"aten._to_copy.default"} if dtype != torch.float32 else set())
     assert {"aten.cumsum.default", "aten.cat.default", "aten.ne.Scalar", "aten.eq.Tensor",
             "aten.bitwise_and.Tensor", "aten.where.self"} <= ran_on.keys(), ran_on
     for op, devices in ran_on.items():
