@@ -34,7 +34,7 @@ import torch
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir
 from . import decision_cache, recompute
-from .groups import FusionGroup, GraphView, analyze, charge_parts
+from .groups import FusionGroup, GraphView, analyze, charge_parts, merge_units
 from .legality import check_legal
 
 
@@ -150,9 +150,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         next_id += 1
         for n in merged.members:
             group_of[n] = m
-        nx.relabel_nodes(unit, {p: m, c: m}, copy=False)
-        if unit.has_edge(m, m):
-            unit.remove_edge(m, m)
+        merge_units(unit, (p, c), m)
         del groups[p], groups[c]
         groups[m] = merged
         succ[m] = (succ.pop(p) | succ.pop(c, set())) - {p, c}
@@ -253,7 +251,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         next_id += 1
         for n in merged.members:
             group_of[n] = merged.id
-        nx.relabel_nodes(unit, {a: merged.id, b: merged.id}, copy=False)
+        merge_units(unit, (a, b), merged.id)
         del groups[a], groups[b]
         groups[merged.id] = merged
 
