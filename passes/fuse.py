@@ -34,7 +34,7 @@ import torch
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir
 from . import decision_cache, recompute
-from .groups import FusionGroup, GraphView, analyze, charge_parts, merge_units
+from .groups import FusionGroup, GraphView, analyze, charge_parts
 from .legality import check_legal
 
 
@@ -150,7 +150,9 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         next_id += 1
         for n in merged.members:
             group_of[n] = m
-        merge_units(unit, (p, c), m)
+        nx.relabel_nodes(unit, {p: m, c: m}, copy=False)
+        if unit.has_edge(m, m):
+            unit.remove_edge(m, m)
         del groups[p], groups[c]
         groups[m] = merged
         succ[m] = (succ.pop(p) | succ.pop(c, set())) - {p, c}
@@ -251,7 +253,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         next_id += 1
         for n in merged.members:
             group_of[n] = merged.id
-        merge_units(unit, (a, b), merged.id)
+        nx.relabel_nodes(unit, {a: merged.id, b: merged.id}, copy=False)
         del groups[a], groups[b]
         groups[merged.id] = merged
 

@@ -97,20 +97,6 @@ class GraphView:
         return found
 
 
-def merge_units(unit, olds, new) -> None:
-    """Put one node ``new`` in place of the nodes ``olds`` of the fuse pass's unit graph (a
-    networkx DiGraph without attributes), with their edges to and from other nodes; an edge
-    between two of them is dropped (networkx's relabel_nodes(copy=False) keeps it as a
-    self-loop)."""
-    olds = set(olds)
-    preds = dict.fromkeys(u for o in olds for u in unit.pred[o] if u not in olds)
-    succs = dict.fromkeys(v for o in olds for v in unit.succ[o] if v not in olds)
-    unit.remove_nodes_from(olds)
-    unit.add_node(new)
-    unit.add_edges_from((u, new) for u in preds)
-    unit.add_edges_from((new, v) for v in succs)
-
-
 def _copy_elsewhere(c, m, members, view) -> bool:
     """True if another group computes its own copy of ``c`` (recomputation) without ``m``: that
     copy reads ``m`` from memory, so ``m`` must be written."""

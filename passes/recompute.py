@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import networkx as nx
+
 from ..codegen.kernel_ir import NotFusable
 from .classify import OpKind
-from .groups import DATA, FusionGroup, analyze, merge_units
+from .groups import DATA, FusionGroup, analyze
 from .legality import check_legal
 
 
@@ -83,7 +85,7 @@ def apply(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx
         next_id += 1
         for n in g.members:
             group_of[n] = g.id
-        merge_units(unit, (c,), g.id)
+        nx.relabel_nodes(unit, {c: g.id}, copy=False)
         unit.add_edges_from((u, g.id) for u in unit_preds)
         del groups[c]
         groups[g.id] = g

@@ -578,24 +578,3 @@ def test_each_graph_is_called_through_its_compiled_forward(device, monkeypatch):
     assert_close(out, fn(x.detach(), w.detach()))
     assert_close(gx, x2.grad)
     assert_close(gw, w2.grad)
-
-
-def test_merge_units_keeps_the_edges_relabel_nodes_would():
-    """The fuse pass's unit graph: merging nodes into one keeps every edge to and from the
-    others, as networkx's relabel_nodes does, without the self-loop of an edge between them."""
-    import random
-
-    import networkx as nx
-
-    from fusion_compiler.passes.groups import merge_units
-    rng = random.Random(0)
-    for trial in range(50):
-        n = rng.randint(3, 12)
-        g = nx.DiGraph()
-        g.add_nodes_from(range(n))
-        g.add_edges_from((a, b) for a in range(n) for b in range(a + 1, n) if rng.random() < 0.3)
-        olds = rng.sample(range(n), rng.randint(1, 3))
-        expected = nx.relabel_nodes(g, {o: 100 for o in olds}, copy=True)
-        expected.remove_edges_from(list(nx.selfloop_edges(expected)))
-        merge_units(g, olds, 100)
-        assert set(g.nodes) == set(expected.nodes) and set(g.edges) == set(expected.edges), trial
