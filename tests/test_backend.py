@@ -460,20 +460,27 @@ def test_young_gc_freezes_what_exists_and_still_collects_what_compiling_makes():
     assert gc.get_freeze_count() == 0               # everything handed back on exit
 
 
-def test_young_gc_leaves_a_process_that_froze_objects_or_disabled_the_collector():
+def test_young_gc_leaves_a_process_that_froze_objects_or_disabled_the_collector(monkeypatch):
     import gc
 
     from fusion_compiler.backend import young_gc
 
     if gc.get_freeze_count() or not gc.isenabled():
         pytest.skip("this process manages its collector itself")
+    calls = []      # young_gc's own freeze and unfreeze calls: the frozen count alone can drop
+    # while it runs, when a frozen object dies (CI, 4bf60ee: 687701 frozen, then 687699)
+    for name in ("freeze", "unfreeze"):
+        monkeypatch.setattr(gc, name, lambda inner=getattr(gc, name), name=name:
+                            calls.append(name) or inner())
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        del calls[:]
         with young_gc():
             pass
-        assert gc.get_freeze_count() == frozen      # the process's own freeze stands
+        assert calls == []                          # the process's own freeze stands
+        assert gc.get_freeze_count() > 0
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
     gc.disable()
     try:
