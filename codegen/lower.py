@@ -34,6 +34,18 @@ from .lowered import (COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_ar
                       mean_hidden, partnered)
 
 
+def _ge(a, b):
+    """``a >= b`` as a predicate: decided when ``a - b`` is a number, else left unevaluated.
+    (sympy evaluating a symbolic inequality asks its assumption system, which can only decide
+    it from the index symbols' signs, and whose first call imports sympy.tensor: 60 ms.)"""
+    return sympy.Ge(a, b, evaluate=sympy.sympify(a - b).is_number)
+
+
+def _lt(a, b):
+    """``a < b`` as a predicate, as ``_ge``."""
+    return sympy.Lt(a, b, evaluate=sympy.sympify(a - b).is_number)
+
+
 def iteration_space(ir: KernelIR):
     """("row", rows + (N,)) if the group reduces, else ("pointwise", output shape)."""
     if any(s == 0 for v in ir.values for s in v.shape):
@@ -302,7 +314,7 @@ class Lowering(PointwiseLowering):
             self.per_element.add(at)
         self._emit_to(i.row_level, ("assert", f"(0 <= {i.name}) & ({i.name} < {print_expr(size)})",
                                     f"{op}: index out of range"))
-        return at, frozenset({sympy.Ge(at, 0), sympy.Lt(at, size)})
+        return at, frozenset({_ge(at, 0), _lt(at, size)})
 
     def _reduction_value(self, vid, index):
         rows = self.full[:-1]
@@ -339,9 +351,9 @@ class Lowering(PointwiseLowering):
                 continue
             pred = set()
             if lo != 0:
-                pred.add(sympy.Ge(index[dim], lo))
+                pred.add(_ge(index[dim], lo))
             if sympy.simplify(lo + size - out.shape[dim]) != 0:
-                pred.add(sympy.Lt(index[dim], lo + size))
+                pred.add(_lt(index[dim], lo + size))
             sub = index[:dim] + (index[dim] - lo,) + index[dim + 1:]
             v = self.value(ref_id(a), sub, preds | frozenset(pred))
             parts.append((frozenset(pred), v))
@@ -376,10 +388,10 @@ class Lowering(PointwiseLowering):
             d = len(shape) - 1 - i
             before, after = pads[2 * i], pads[2 * i + 1]
             if before:
-                pred.add(sympy.Ge(index[d], before))
+                pred.add(_ge(index[d], before))
                 sub[d] = index[d] - before
             if after:
-                pred.add(sympy.Lt(index[d], before + shape[d]))
+                pred.add(_lt(index[d], before + shape[d]))
         if not pred:
             return self.value(src, tuple(index), preds)
         inside = self.value(src, tuple(sub), preds | frozenset(pred))

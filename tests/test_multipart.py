@@ -81,3 +81,22 @@ def test_split_copies_a_shared_view_into_each_part():
     for sub, inputs, positions in parts:
         targets = [op.target for op in sub.ops]
         assert "aten.unsqueeze.default" in targets and len(positions) == 1
+
+
+def test_range_predicates_are_decided_by_numbers_only():
+    """cat, pad and gather guard their reads with range predicates (codegen/lower.py's _ge and
+    _lt): decided when the bound and the index differ by a number, left as an inequality
+    otherwise (not evaluated by sympy's assumption system, which cannot decide them from the
+    index symbols' signs and costs its first-use import)."""
+    import sympy
+
+    from fusion_compiler.codegen.indexing import print_expr
+    from fusion_compiler.codegen.lower import _ge, _lt
+
+    x = sympy.Symbol("x0", integer=True, nonnegative=True)
+    assert _ge(sympy.Integer(5), 3) is sympy.true and _lt(sympy.Integer(5), 3) is sympy.false
+    assert _ge(x + 4, x + 4) is sympy.true and _lt(x + 4, x + 4) is sympy.false
+    ge, lt = _ge(x, 64), _lt(x - 64, 128)
+    assert isinstance(ge, sympy.GreaterThan) and isinstance(lt, sympy.StrictLessThan)
+    assert print_expr(ge) == "(x0 >= 64)" and print_expr(lt) == "((-64 + x0) < 128)"
+    assert ge.subs(x, 70) is sympy.true and lt.subs(x, 200) is sympy.false
