@@ -14,7 +14,10 @@ A value is folded when
   ``arange(512)``, ``full([], True)``); a size read from an input (``sym_size``) is not constant;
 - the tensor it produces spans at most ``MAX_BYTES`` of memory (a constant is kept for the
   graph's lifetime), and the op, run now, gives exactly the traced size, strides and dtype.
-Only the values the rest of the graph reads are kept; the other folded nodes disappear. A kept
+Only the values the rest of the graph reads are kept; the other folded nodes disappear. A
+node whose op and arguments equal an earlier folded node's is replaced by it before it is
+evaluated (dedupe.py's rule: the model built the same constant twice; Hugging Face's GPT-2,
+compiled, builds its mask in each of its twelve layers). A kept
 value may not be a graph output, or a view of one: the caller could write to it, and eager
 PyTorch returns a new tensor on each call. Those are computed at run time, from kept inputs.
 Nor is a lone factory call kept here (``full([], -inf)``, ``arange(n)``): a kernel that reads it
@@ -56,17 +59,29 @@ FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, ate
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Fold ``gm``'s constant values in place; ``ctx.constants`` names each one kept."""
-    values = {}
-    for node in gm.graph.nodes:
+    from .dedupe import duplicate_of
+
+    values, first = {}, {}
+    outputs = graph_outputs(gm)
+    for node in list(gm.graph.nodes):
         if node.op == "call_function" and is_pure(node.target) \
                 and all(a in values for a in node.all_input_nodes):
+            # the same op of the same folded values (GPT-2's mask, built again in each of its
+            # twelve layers: 4 MB a copy in bf16 at 8 x 512) is computed and kept once, by
+            # dedupe.py's rule
+            same, key = duplicate_of(node, first, outputs)
+            if same is not None:
+                node.replace_all_uses_with(same)
+                gm.graph.erase_node(node)
+                continue
             value = _evaluate(node, values)
             if value is not None:
                 values[node] = value
+                if key is not None:
+                    first.setdefault(key, node)
     if not values:
         return gm
     _consecutive_embeddings(gm, values)
-    outputs = graph_outputs(gm)
     while True:
         kept = [n for n in values if any(u not in values for u in n.users)]
         # a value that is, or is aliased by, an output is computed at run time; so is a lone

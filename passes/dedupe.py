@@ -30,15 +30,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not is_pure(node.target):
             continue
-        key = _key(node)
-        if key is None:
-            continue
-        first = seen.get(key)
+        first, key = duplicate_of(node, seen, outputs)
         if first is None:
-            seen[key] = node
-            continue
-        if reaches_output(node, outputs) or reaches_output(first, outputs) \
-                or _written(node) or _written(first):
+            if key is not None:
+                seen.setdefault(key, node)
             continue
         node.replace_all_uses_with(first)
         gm.graph.erase_node(node)
@@ -46,6 +41,17 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if removed:
         log.info("fusion-compiler: %d duplicate computations removed", removed)
     return gm
+
+
+def duplicate_of(node, seen: dict, outputs: set):
+    """(the earlier node in ``seen`` (key -> node) that ``node``, a call of a pure op, may be
+    replaced by, or None; ``node``'s key, None where it has none)."""
+    key = _key(node)
+    first = None if key is None else seen.get(key)
+    if first is None or reaches_output(node, outputs) or reaches_output(first, outputs) \
+            or _written(node) or _written(first):
+        return None, key
+    return first, key
 
 
 def _written(node) -> bool:

@@ -65,6 +65,33 @@ def test_a_mask_built_from_positions_is_computed_once(monkeypatch, device, dtype
         assert_close(gm(x2)[0], gpt2_mask_attention(x2), dtype=dtype)
 
 
+def three_layers(x):
+    """GPT-2's mask built again by each of three layers (as Hugging Face's model, compiled,
+    builds it in each of its twelve), each layer's attention reading its own copy."""
+    for _ in range(3):
+        x = gpt2_mask_attention(x) @ x
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 7, 5), (3, 33, 8)])
+def test_a_mask_built_in_every_layer_is_kept_once(monkeypatch, device, dtype, shape):
+    """The same computation of the same constants is computed and kept once (dedupe.py's rule,
+    applied while folding): one [b, s, s] mask for the three layers, not three."""
+    x = torch.randn(*shape, device=device, dtype=dtype) / shape[-1] ** 0.5
+    out, reports, (gm,) = _compiled(monkeypatch, three_layers, (x,))
+    assert_close(out, three_layers(x), dtype=dtype)
+    assert len(_constants(gm)) == 1, gm.code
+    (report,) = reports
+    assert [c["bytes"] for c in report.summary["constants"]] == [
+        shape[0] * shape[1] ** 2 * x.element_size()]
+    assert kernel_count(reports) == 3                    # mask add + softmax, per layer
+    assert leftover_aten(reports).count("aten.bmm.default") == 6
+    x2 = torch.randn_like(x) / shape[-1] ** 0.5          # the kept mask serves the next call
+    with torch.no_grad():
+        assert_close(gm(x2)[0], three_layers(x2), dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
     """``arange`` and ``full`` with constant arguments (a mask's positions) are made when the
