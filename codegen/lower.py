@@ -36,8 +36,8 @@ from .lowered import (COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_ar
 
 def _ge(a, b):
     """``a >= b`` as a predicate: decided when ``a - b`` is a number, else left unevaluated.
-    (sympy evaluating a symbolic inequality asks its assumption system, which can only decide
-    it from the index symbols' signs, and whose first call imports sympy.tensor: 60 ms.)"""
+    (sympy evaluating a symbolic inequality asks its assumption system, which knows only the
+    index symbols' signs, not their bounds: work for no decision.)"""
     return sympy.Ge(a, b, evaluate=sympy.sympify(a - b).is_number)
 
 

@@ -87,7 +87,7 @@ def test_range_predicates_are_decided_by_numbers_only():
     """cat, pad and gather guard their reads with range predicates (codegen/lower.py's _ge and
     _lt): decided when the bound and the index differ by a number, left as an inequality
     otherwise (not evaluated by sympy's assumption system, which cannot decide them from the
-    index symbols' signs and costs its first-use import)."""
+    index symbols' signs)."""
     import sympy
 
     from fusion_compiler.codegen.indexing import print_expr
