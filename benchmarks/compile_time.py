@@ -5,6 +5,8 @@
     python benchmarks/compile_time.py examples/bert.py:bench_16x256 --no-inductor \
         --profile-cold 60 --sample        # where the cold compile's main thread spends its time
     python benchmarks/compile_time.py examples/gpt2.py:bench_8x512 --repeat 3
+    python benchmarks/compile_time.py examples/llama.py:bench_1x128 --repeat 5 --no-inductor \
+        --against /path/to/other/checkout      # A/B: both versions' cold compiles, interleaved
 
 For each target, in this order, each in its own Python process (so nothing is cached in memory):
   aot_eager          Dynamo + aot_autograd, no compiler: what every backend pays before its own work
@@ -30,9 +32,11 @@ starts). The columns:
                   threads (codegen/precompile.py; ``--compile-threads 0`` leaves that to the
                   first launches, outside this column)
   of which        (fusion) the passes' phases, from the reports: analyze (the fusion
-                  decisions), sources (kernel modules written or loaded), triton (Triton's
-                  compiles or cache loads, on the compile threads and in the compile workers:
-                  codegen/precompile.py, compile_pool.py), autotune (timing launch settings, or
+                  decisions), sources (kernel modules written or loaded; each kernel starts
+                  compiling as its module is ready), triton (the wait for Triton's compiles or
+                  cache loads, on the compile threads and in the compile workers, after the
+                  graph was partitioned and made ready meanwhile: codegen/precompile.py,
+                  compile_pool.py), autotune (timing launch settings, or
                   loading the stored choices; 0 when autotuning is off, as by default:
                   ``--autotune K`` adds runs with it on); "(workers: N of M)": N of the M
                   Triton kernels compiled at compile time were compiled by worker processes
@@ -51,6 +55,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 CHILD = r'''
 import json, sys, time, torch
@@ -122,13 +127,14 @@ print(json.dumps({"seconds": seconds, "passes": sum(r.compile_seconds for r in r
 
 
 def first_call(target: str, backend: str, env: dict, profile: int = 0,
-               sample: bool = False) -> dict:
+               sample: bool = False, cwd: str | None = None) -> dict:
     """The child's result; with ``profile`` it runs under cProfile (``sample``: its main thread
-    sampled every 2 ms instead) and its ``profile`` costliest functions are printed first."""
+    sampled every 2 ms instead) and its ``profile`` costliest functions are printed first.
+    ``cwd``: where it runs (its ``fusion_compiler`` package is the one there, if any)."""
     proc = subprocess.run([sys.executable, "-c", CHILD, target, backend]
                           + ([str(profile)] if profile else [])
                           + (["sample"] if profile and sample else []), env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=cwd)
     if proc.returncode != 0:
         raise RuntimeError(f"{target} with {backend} failed:\n{proc.stderr[-2000:]}")
     lines = proc.stdout.strip().splitlines()
@@ -150,11 +156,27 @@ def show(r: dict) -> None:
           f"{f('passes_seconds'):>9s}  {r.get('phases', '')}", flush=True)
 
 
+def flat_copy(checkout: str, into: str) -> str:
+    """``checkout``'s package (fusion_compiler/, passes/, codegen/ at its top, as here) as one
+    directory tree under ``into``, importable without installing it; returns ``into``."""
+    import shutil
+    package = Path(into) / "fusion_compiler"
+    shutil.copytree(Path(checkout) / "fusion_compiler", package)
+    for sub in ("passes", "codegen"):
+        shutil.copytree(Path(checkout) / sub, package / sub)
+    return into
+
+
 def measure(target: str, threads=(None,), inductor=True, profile=0,
-            profile_run="warm", autotune=0, sample=False, repeat=1) -> list[dict]:
+            profile_run="warm", autotune=0, sample=False, repeat=1,
+            against: str | None = None) -> list[dict]:
     """The rows of one target, each printed as soon as it is measured."""
     rows = []
+    if against is not None:
+        path, _, name = target.partition(":")
+        target = f"{Path(path).resolve()}:{name}"       # the other package's child runs there
     with tempfile.TemporaryDirectory() as tmp:
+        other = flat_copy(against, f"{tmp}/against") if against is not None else None
         def env(name):
             e = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/{name}/triton",
                      TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{name}/inductor",
@@ -173,11 +195,13 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
         if autotune:
             runs.append(("fusion", f"fusion tune={autotune}",
                          {"FUSION_COMPILER_AUTOTUNE": str(autotune)}))
+        if other:
+            runs.append(("fusion", "against", {}))
         for backend, name, extra in runs:
             for run in ("cold", "warm"):
                 r = first_call(target, backend, dict(env(name), **extra),
                                profile if backend == "fusion" and run == profile_run else 0,
-                               sample)
+                               sample, other if name == "against" else None)
                 rows.append({"target": target, "run": f"{name} {run}", "seconds": r["seconds"],
                              "backend_seconds": r["seconds"] - base,
                              "in_backend": r["in_backend"],
@@ -198,9 +222,10 @@ def measure(target: str, threads=(None,), inductor=True, profile=0,
                          "in_backend": again["in_backend"],
                          "after_compile": again["seconds"] - again["dynamo"]})
             show(rows[-1])
-            for run in ("cold", "warm"):
-                r = first_call(target, "fusion", env(f"fusion{i}"))
-                rows.append({"target": target, "run": f"fusion {run} {i + 1}",
+            for name, run, cwd in [("fusion", "cold", None)] + (
+                    [("against", "cold", other)] if other else []) + [("fusion", "warm", None)]:
+                r = first_call(target, "fusion", env(f"{name}{i}"), cwd=cwd)
+                rows.append({"target": target, "run": f"{name} {run} {i + 1}",
                              "seconds": r["seconds"], "in_backend": r["in_backend"],
                              "own_seconds": r["in_backend"] - again["in_backend"],
                              "passes_seconds": r["passes"]})
@@ -222,6 +247,9 @@ def medians(target: str, rows: list[dict]) -> dict:
     out = {"aot_eager in backend": round(aot, 3), "fusion cold in backend": round(fusion, 3),
            "fusion own": round(fusion - aot, 3),
            "fusion warm in backend": round(median("fusion warm"), 3)}
+    if any(r["run"].startswith("against cold") for r in rows):
+        out["against cold in backend"] = round(median("against cold"), 3)
+        out["against own"] = round(median("against cold") - aot, 3)
     inductor = [r["own_seconds"] for r in rows if r["run"] == "inductor cold"]
     if inductor:
         out["inductor own"] = round(inductor[0], 3)
@@ -253,13 +281,17 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="N rounds of aot_eager, fusion cold and fusion warm processes in "
                              "all; a last line gives their medians and the ratio from them")
+    parser.add_argument("--against", metavar="DIR",
+                        help="also time the fusion package of the checkout at DIR, cold, in "
+                             "each round (after this code's cold process): an A/B of two "
+                             "versions under the same host's noise")
     args = parser.parse_args()
     print(HEADER, flush=True)
     rows = [row for t in args.targets
             for row in measure(t, args.compile_threads, not args.no_inductor,
                                args.profile_cold or args.profile_warm,
                                "cold" if args.profile_cold else "warm", args.autotune,
-                               args.sample, args.repeat)]
+                               args.sample, args.repeat, args.against)]
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)
