@@ -19,8 +19,10 @@ backend and the seconds (and calls) of each part, timed by wrappers installed in
   late_decompose        the composite ops the trace kept whole, decomposed (before the AOT
                         cache keeps a graph, and first in analyze)
   compile_aten_graph    the backend's work on one ATen graph; within it analyze, generate
-                        (kernel_cache_load: the kernel modules; compile_launches: Triton's
-                        compile or cache load on threads), partition, fast_calls
+                        (kernel_cache_load: the kernel modules, each kernel then sent to the
+                        compile threads), partition, fast_calls, kernels wait (pipeline.finish:
+                        the wait for Triton's compiles or cache loads on threads, after the
+                        graph was made ready)
   recompile FILE:LINE   GraphModule.recompile (Python generated from a graph and compiled),
                         by the caller's caller
   compile KIND          Python's compile(): "fx" for graph code, "import" for files (modules
@@ -106,7 +108,7 @@ timed(generate, "run", "generate")
 timed(partition, "run", "partition")
 timed(late_decompose, "run", "late_decompose")
 timed(fast_calls, "run", "fast_calls")
-timed(precompile, "compile_launches")
+timed(pipeline, "finish", "kernels wait")
 timed(kernel_cache.KernelCache, "load", "kernel_cache_load")
 
 if os.environ.get("FC_PARTS_COMPILE_ONLY"):

@@ -18,7 +18,6 @@ value) costs what it did before: the first call compiles the variant it needs.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import logging
 import re
@@ -211,96 +210,184 @@ def compile_launches(calls: list, device: torch.device, threads: int, pool=None,
     """Compile the recorded launches, ``threads`` at a time, with the help of ``pool``'s
     workers (codegen/compile_pool.py) where it has any; return {kernel: exception} for the
     kernels Triton could not compile. ``counts`` gets how many kernels each way compiled."""
-    by_kernel: dict = {}
-    for call in calls:
-        by_kernel.setdefault(call[0], []).append(call)
-    failed: dict = {}
-    counts = {} if counts is None else counts
-    if _DRIVER is not None:
-        _DRIVER.join()
-    counts.update(kernels=len(by_kernel), by_workers=0)
+    compiling = Compiling(functools.partial(compile_here, device), threads, pool,
+                          cuda_target(device) if pool is not None else None)
+    with compiling:
+        compiling.add(calls)
+    if counts is not None:
+        counts.update(compiling.counts)
+    return compiling.failed
 
-    def work(kernel_calls):
-        # a thread starts on device 0: Triton compiles for, and caches under, the current one
-        with torch.cuda.device(device):
-            for kernel, grid, args, kwargs in kernel_calls:
-                compiled = kernel.warmup(*args, grid=grid, **kwargs)
-                if fits_static(compiled, len(args)) is not None:
-                    continue        # torch's launcher will launch it (launch.first_launch)
-                # on its first launch Triton would also load the binary and build the kernel's
-                # C launcher (a C compiler run per argument signature, cached on disk); done
-                # here it runs beside the others, and "out of shared memory" shows up now
-                load = getattr(compiled, "_init_handles", None)
-                if load is not None:
-                    load()
 
-    def run(kernel, kernel_calls):
-        try:
-            work(kernel_calls)
-        except Exception as exc:
-            failed[kernel] = exc
-
-    if pool is None or not any(w.alive for w in pool.started()):
-        workers = max(1, min(threads, len(by_kernel)))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fc-compile") as ex:
-            for item in by_kernel.items():
-                ex.submit(run, *item)
-        return failed
+def cuda_target(device: torch.device):
     from triton.backends.compiler import GPUTarget
 
     major, minor = torch.cuda.get_device_capability(device)
-    with pool.lock:
-        with_workers(by_kernel, run, GPUTarget("cuda", 10 * major + minor, 32), threads, pool,
-                     counts)
-        pool.last_used = time.monotonic()
-    return failed
+    return GPUTarget("cuda", 10 * major + minor, 32)
 
 
-def with_workers(by_kernel: dict, run, target, threads: int, pool, counts: dict) -> None:
-    """Compile each kernel (``by_kernel``: kernel -> its recorded launches) in a ready worker of
-    ``pool`` for ``target``, then ``run(kernel, launches)`` here: a cache hit. While no worker
-    is ready, up to ``threads`` threads ``run`` kernels here, which compiles them."""
-    workers = pool.started()
-    jobs = collections.deque(by_kernel.items())
-    lock = threading.Lock()
-    where = (target.backend, target.arch, target.warp_size)
+def compile_here(device: torch.device, kernel, kernel_calls: list) -> None:
+    """Compile ``kernel``'s recorded launches in this process (a cache hit where a worker
+    compiled them), for ``device``."""
+    # a thread starts on device 0: Triton compiles for, and caches under, the current one
+    with torch.cuda.device(device):
+        for _, grid, args, kwargs in kernel_calls:
+            compiled = kernel.warmup(*args, grid=grid, **kwargs)
+            if fits_static(compiled, len(args)) is not None:
+                continue        # torch's launcher will launch it (launch.first_launch)
+            # on its first launch Triton would also load the binary and build the kernel's
+            # C launcher (a C compiler run per argument signature, cached on disk); done
+            # here it runs beside the others, and "out of shared memory" shows up now
+            load = getattr(compiled, "_init_handles", None)
+            if load is not None:
+                load()
 
-    def take():
-        with lock:
-            return jobs.popleft() if jobs else None
 
-    def via(worker):
+class Compiling:
+    """Kernels compiled while the caller goes on: ``add`` launches as they become known (the
+    generate pass adds each group's as its source is ready), ``wait`` for them all.
+
+    Each kernel goes to a ready worker of ``pool`` (compiled for ``target`` there, then
+    ``run(kernel, launches)`` here: a cache hit); while no worker is ready, up to ``threads``
+    threads ``run`` kernels here, which compiles them. Without workers, ``threads`` threads
+    run them all. A launch already added (the same kernel, arguments and options: a
+    repeated layer's kernel) is not added again. ``failed`` maps each kernel that raised to
+    its exception; ``counts`` says how many kernels there were and how many the workers
+    compiled. While in use it holds ``pool.lock``: ``wait`` (or leaving a ``with`` block)
+    releases it."""
+
+    def __init__(self, run, threads: int, pool=None, target=None):
+        self.failed: dict = {}
+        self.counts = {"kernels": 0, "by_workers": 0}
+        self._run, self._threads, self._pool, self._target = run, max(1, threads), pool, target
+        self._seen: set = set()           # launches added
+        self._kernels: set = set()         # kernels added
+        self._by_workers: set = set()      # kernels a worker compiled
+        self._jobs: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._workers: list | None = None       # None: not started (nothing added yet)
+        self._started: list = []
+        self._locked = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait()
+
+    def add(self, calls: list) -> None:
+        """Queue recorded launches (kernel, grid, args, kwargs); a kernel's launches stay
+        together in one job."""
+        jobs: dict = {}
+        for call in calls:
+            kernel, _, args, kwargs = call
+            try:
+                key = (kernel, _launch_key(args), _launch_key(sorted(kwargs.items())))
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+            except TypeError:       # an argument that does not hash: added, as it comes
+                pass
+            jobs.setdefault(kernel, []).append(call)
+        if not jobs:
+            return
+        if self._workers is None:
+            self._start()
+        with self._cond:
+            self._kernels.update(jobs)
+            self.counts["kernels"] = len(self._kernels)
+            self._jobs.extend(jobs.items())
+            self._cond.notify_all()
+
+    def _start(self) -> None:
+        workers = []
+        if self._pool is not None and self._target is not None:
+            self._pool.lock.acquire()
+            self._locked = True
+            workers = [w for w in self._pool.started() if w.alive]
+            for w in workers:
+                w.poll_ready(0.0)
+            workers = [w for w in workers if w.alive]
+        self._workers = workers
+        targets = [functools.partial(self._via, w) for w in workers]
+        targets += [self._here] * self._threads
+        for i, target in enumerate(targets):
+            t = threading.Thread(target=target, name=f"fc-compile-{i}", daemon=True)
+            t.start()
+            self._started.append(t)
+
+    def wait(self) -> dict:
+        """Wait for every kernel added; returns ``failed``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._started:
+            t.join()
+        try:
+            while self._jobs:       # left by workers that died after the others stopped
+                self._do(*self._jobs.popleft())
+        finally:
+            if self._locked:
+                self._locked = False
+                self._pool.last_used = time.monotonic()
+                self._pool.lock.release()
+        return self.failed
+
+    def _take(self, while_no_worker_ready: bool = False):
+        """The next job; None once none is left (after ``wait``), or, for a thread that
+        compiles only while no worker is ready, once one is."""
+        with self._cond:
+            while True:
+                if while_no_worker_ready and any(w.ready for w in self._workers):
+                    return None
+                if self._jobs:
+                    return self._jobs.popleft()
+                if self._closed:
+                    return None
+                self._cond.wait()
+
+    def _do(self, kernel, kernel_calls) -> None:
+        if _DRIVER is not None:
+            _DRIVER.join()
+        try:
+            self._run(kernel, kernel_calls)
+        except Exception as exc:
+            self.failed[kernel] = exc
+
+    def _here(self) -> None:
+        while (job := self._take(while_no_worker_ready=True)) is not None:
+            self._do(*job)
+
+    def _via(self, worker) -> None:
         while not worker.poll_ready(0.005):
-            if not worker.alive or not jobs:
+            if not worker.alive or (self._closed and not self._jobs):
                 return
-        while worker.alive and (job := take()) is not None:
+        with self._cond:
+            self._cond.notify_all()     # the threads compiling here stop taking kernels
+        where = (self._target.backend, self._target.arch, self._target.warp_size)
+        while worker.alive and (job := self._take()) is not None:
             kernel, kernel_calls = job
+            if _DRIVER is not None:
+                _DRIVER.join()
             path = kernel.fn.__code__.co_filename
             try:
                 requests = [(path, kernel.fn.__name__,
-                             *bind_for_target(kernel, args, kwargs, target), where)
+                             *bind_for_target(kernel, args, kwargs, self._target), where)
                             for _, _, args, kwargs in kernel_calls]
             except Exception:           # compiled here instead, which reports the error
                 requests = None
             if requests is not None:
                 results = worker.compile(requests)
                 if results is not None and not any(results):
-                    with lock:
-                        counts["by_workers"] += 1
-            run(kernel, kernel_calls)   # a cache hit where the worker compiled it
+                    with self._cond:
+                        self._by_workers.add(kernel)
+                        self.counts["by_workers"] = len(self._by_workers)
+            self._do(kernel, kernel_calls)  # a cache hit where the worker compiled it
 
-    def here():
-        while not any(w.ready for w in workers) and (job := take()) is not None:
-            run(*job)
 
-    for w in workers:
-        w.poll_ready(0.0)
-    alive = [w for w in workers if w.alive]
-    with concurrent.futures.ThreadPoolExecutor(len(alive) + threads,
-                                               thread_name_prefix="fc-compile") as ex:
-        for w in alive:
-            ex.submit(via, w)
-        for _ in range(max(1, min(threads, len(by_kernel)))):
-            ex.submit(here)
-    while (job := take()) is not None:      # left by workers that died after the others stopped
-        run(*job)
+def _launch_key(values) -> tuple:
+    """What tells two recorded launches of one kernel apart, as a hashable value: a stand-in
+    by its dtype and address, anything else by its value."""
+    return tuple((v.dtype, v.address) if isinstance(v, StandIn)
+                 else _launch_key(v) if isinstance(v, (tuple, list)) else v for v in values)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import hashlib
 import json
@@ -235,6 +236,20 @@ def _pickled(gm: torch.fx.GraphModule) -> tuple[bytes | None, str | None]:
             node.meta = meta
 
 
+def _snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A stand-in for ``gm`` as it is now, to pickle later (``_pickled``): its graph copied,
+    nodes and their metadata dicts (7-10 ms for Llama 1 x 128's 708 nodes on the CPU, against
+    31-35 ms to pickle them), and its attribute tables copied; the values are shared."""
+    stand_in = _uncompiled(gm)
+    state = stand_in.__dict__
+    state["_graph"] = copy.deepcopy(gm.graph)
+    state["_graph"].owning_module = stand_in
+    for table in ("_parameters", "_buffers", "_modules"):
+        if table in state:
+            state[table] = copy.copy(state[table])
+    return stand_in
+
+
 class _Uncompiled(torch.fx.GraphModule):
     """A graph module whose ``recompile`` does nothing. GraphPickler compiles a module's code
     before pickling it (0.05-0.09 s a GPT-2 training graph on the CPU); the stored graph's code
@@ -344,10 +359,13 @@ def compiler(kind: str, finish: Callable, static_inputs: Callable[[], list]):
         except Exception as exc:  # noqa: BLE001
             log.info("fusion-compiler: late decomposition before keeping the graph failed "
                      "(%s: %s)", type(exc).__name__, exc)
-        blob, why = _pickled(gm)        # first: the passes rewrite gm in place
         static = tuple(static_inputs())
-        out = FusionOutputCode(kind=kind, static_inputs=static, blob=blob, not_kept=why)
-        out.fn = finish(gm, kind, list(static))
+        out = FusionOutputCode(kind=kind, static_inputs=static)
+        kept = _snapshot(gm)            # now: the passes rewrite gm in place
+
+        def keep():                     # pickled while the kernels compile
+            out.blob, out.not_kept = _pickled(kept)
+        out.fn = finish(gm, kind, list(static), meanwhile=keep)
         return out
     return SerializableAOTDispatchCompiler(FusionOutputCode, compile_fn)
 

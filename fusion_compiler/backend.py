@@ -56,6 +56,8 @@ class CompileContext:
     seconds: dict = field(default_factory=dict)     # phase -> seconds (pipeline.compile_graph)
     # Triton kernels compiled at compile time: by worker processes (codegen/compile_pool.py), all
     compiled: list = field(default_factory=lambda: [0, 0])
+    compiles: object = None     # the kernels compiling on threads (generate.KernelCompiles)
+    analyzed: object = None     # the graph the groups were decided on (pipeline.compile_graph)
 
 
 @contextlib.contextmanager
@@ -114,17 +116,31 @@ def _devices(gm) -> set:
             if isinstance(n.meta.get("val"), torch.Tensor)}
 
 
-def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
+def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config,
+                       meanwhile=None):
     """Run the pipeline on one ATen graph; return what aot_autograd should call.
+    ``meanwhile()``, if given, is the caller's own work, run while the kernels compile (once,
+    whatever happens).
 
     An unexpected error in the compiler never stops a model that eager PyTorch runs: the graph
     runs on ATen unfused, with a warning (or the error is raised with FUSION_COMPILER_STRICT=1),
     and the report says what happened."""
+    pending = [meanwhile] if meanwhile is not None else []
     with young_gc():
-        return _compile_aten_graph(gm, kind, config)
+        try:
+            return _compile_aten_graph(gm, kind, config, pending)
+        finally:
+            _run_pending(pending)       # not run yet: the passes failed first
 
 
-def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
+def _run_pending(pending: list) -> None:
+    while pending:
+        pending.pop()()
+
+
+def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config, pending: list):
+    from .passes import generate, pipeline       # here: `import fusion_compiler` stays light
+
     global _said_cpu
     started = time.perf_counter()
     ctx = make_context(config, kind, gm)
@@ -134,9 +150,20 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
         log.info("fusion-compiler: CPU tensors run the ATen graph unfused "
                  "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU)")
         _said_cpu = True
+    # a graph of the partition's own is made ready to run while its kernels compile; the
+    # analyzed graph itself (no group has a kernel) only after the report has read its nodes
+    # (fast_calls renames their targets)
+    own = lambda g: g is not gm and g is not ctx.analyzed   # noqa: E731
     try:
-        new_gm = _run_passes(gm, ctx, runs_kernels)
+        new_gm = _run_passes(gm, ctx, runs_kernels)     # its kernels may still be compiling
+        aten_ops = _runnable(new_gm) if own(new_gm) else None
+        _run_pending(pending)               # the caller's work, meanwhile
+        if runs_kernels:
+            final = pipeline.finish(new_gm, ctx)
+            if final is not new_gm:         # a kernel failed: its group is back on ATen
+                new_gm, aten_ops = final, _runnable(final) if own(final) else None
     except Exception as exc:
+        generate.abandon(ctx)               # no kernel left compiling
         if config.strict:
             raise
         log.warning("fusion-compiler: compiling the %s graph failed (%s: %s); running it on ATen "
@@ -152,7 +179,7 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     report.phase_seconds = ctx.seconds
     report.kernels_by_workers = tuple(ctx.compiled)
     report.kernels = ctx.kernels
-    report.aten_ops = aten_compute_ops(new_gm)
+    report.aten_ops = aten_ops if aten_ops is not None else aten_compute_ops(new_gm)
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)
                                    for g in ctx.groups if g.id not in ctx.launchers]
     report.decisions = ctx.decisions
@@ -169,10 +196,19 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config):
     if target is not None:
         target.report = report
         new_gm._fc_measure = target
-    fast_calls.run(new_gm)      # last: the report has named the ATen ops it keeps
-    with_code(new_gm)
+    if aten_ops is None:
+        _runnable(new_gm)
     report.compile_seconds = time.perf_counter() - started      # the report object is shared
     return new_gm
+
+
+def _runnable(gm: torch.fx.GraphModule) -> list:
+    """``gm`` made ready to run (its ATen calls through torch's direct bindings, its code
+    compiled); returns the ATen ops it keeps, named before fast_calls renames them."""
+    ops = aten_compute_ops(gm)
+    fast_calls.run(gm)
+    with_code(gm)
+    return ops
 
 
 def with_code(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -234,10 +270,10 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")
 
-    def finish(aten_gm, kind, static_inputs):
+    def finish(aten_gm, kind, static_inputs, meanwhile=None):
         """One ATen graph compiled into what aot_autograd calls (boxed: it passes the argument
         list itself, so inputs can be freed early)."""
-        compiled = compile_aten_graph(aten_gm, kind, config)
+        compiled = compile_aten_graph(aten_gm, kind, config, meanwhile=meanwhile)
         # the forward itself: a GraphModule's __call__ goes through nn.Module's hook
         # machinery on every call (~1 us of host time; a compiled graph has no hooks)
         fn = make_boxed_func(compiled.forward)

@@ -5,6 +5,7 @@ A group that cannot be generated (its error says why) stays on ATen.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -23,7 +24,11 @@ log = logging.getLogger("fusion_compiler")
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Each group's kernel module; with lean launchers, each kernel starts compiling on the
+    compile threads as soon as its launcher exists (``finish`` waits for them)."""
     readable = readable_symbols(n for n in gm.graph.nodes if n.op == "placeholder")
+    if LEAN and ctx.config.compile_threads > 0:
+        ctx.compiles = KernelCompiles(ctx)
     for g in ctx.groups:
         if g.ir is None:
             continue
@@ -57,12 +62,23 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             launch.__name__ = launch.__qualname__ = "launch"     # FX names call targets
             launch.__module__ = module.__name__
             ctx.launchers[g.id] = launch
+            if ctx.compiles is not None:
+                ctx.compiles.add(g, launch)
         members = [n for n in g.nodes if n in g.members]    # graph order: a set's is not fixed
         ctx.kernels.append({"group": g.id, "key": key, "label": title, "path": module.__file__,
                             "ops": [str(n.target) for n in members], "runs": runs})
-    if LEAN and ctx.config.compile_threads > 0:
+    return gm
+
+
+def finish(ctx) -> int:
+    """Wait for the kernels compiling since ``run`` (the time goes to ``ctx.seconds["triton"]``),
+    then tune them if asked. A group whose kernel Triton could not compile loses its launcher
+    and stays on ATen (its error says why); returns how many did."""
+    compiles, ctx.compiles = ctx.compiles, None
+    dropped = 0
+    if compiles is not None:
         started = time.perf_counter()
-        _compile_kernels(ctx)
+        dropped = compiles.finish()
         ctx.seconds["triton"] = time.perf_counter() - started
     if LEAN and ctx.config.autotune > 0:
         started = time.perf_counter()
@@ -70,46 +86,70 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         ctx.seconds["autotune"] = time.perf_counter() - started
         if tuned:
             log.info("fusion-compiler: %d kernels run with tuned launch settings", tuned)
-    return gm
+    return dropped
 
 
-def _compile_kernels(ctx) -> None:
-    """Compile the launchers' Triton kernels now, on threads (codegen/precompile.py). A group
-    whose kernel Triton cannot compile stays on ATen (its error says why)."""
-    users: dict = {}            # Triton kernel -> the groups that launch it
-    calls_on: dict = {}         # device -> recorded launches
-    for g in ctx.groups:
-        launch = ctx.launchers.get(g.id)
-        if launch is None:
-            continue
+class KernelCompiles:
+    """The graph's Triton kernels compiled on threads and in the compile workers
+    (codegen/precompile.py) while the compile goes on: each group's launches are recorded
+    and sent as its launcher is made (``add``); ``finish`` waits for them. The first call
+    then finds every kernel in Triton's cache."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.users: dict = {}           # Triton kernel -> the groups that launch it
+        self.on: dict = {}              # device -> precompile.Compiling
+
+    def add(self, g, launch) -> None:
+        ctx = self.ctx
         try:
             calls = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
         except Exception as exc:    # not predicted: the first call compiles it, as it would
             if ctx.config.strict:
                 raise
             log.debug("fusion-compiler: group %s not compiled ahead (%s)", g.id, exc)
-            continue
-        calls_on.setdefault(launch.args[0], []).extend(calls)
+            return
+        device = launch.args[0]
+        compiling = self.on.get(device)
+        if compiling is None:
+            # the workers compile for one GPU at a time: the first device's kernels
+            pool = None if self.on else compile_pool.current()
+            compiling = self.on[device] = precompile.Compiling(
+                functools.partial(precompile.compile_here, device), ctx.config.compile_threads,
+                pool, precompile.cuda_target(device) if pool is not None else None)
         for call in calls:
-            users.setdefault(call[0], []).append(g)
-    pool = compile_pool.current()
-    for device, calls in calls_on.items():
-        counts: dict = {}
-        failed = precompile.compile_launches(calls, device, ctx.config.compile_threads, pool,
-                                             counts)
-        ctx.compiled[0] += counts.get("by_workers", 0)
-        ctx.compiled[1] += counts.get("kernels", 0)
-        if counts.get("by_workers"):
-            log.debug("fusion-compiler: %d of %d kernels compiled by worker processes",
-                      counts["by_workers"], counts["kernels"])
-        for kernel, exc in failed.items():
-            if ctx.config.strict:
-                raise exc
-            why = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
-            for g in users[kernel]:
-                g.error = f"Triton could not compile its kernel ({why})"
-                ctx.launchers.pop(g.id, None)
-    ctx.kernels[:] = [k for k in ctx.kernels if not k["runs"] or k["group"] in ctx.launchers]
+            self.users.setdefault(call[0], []).append(g)
+        compiling.add(calls)
+
+    def finish(self) -> int:
+        ctx, dropped = self.ctx, 0
+        errors = []
+        for compiling in self.on.values():
+            failed = compiling.wait()
+            ctx.compiled[0] += compiling.counts["by_workers"]
+            ctx.compiled[1] += compiling.counts["kernels"]
+            if compiling.counts["by_workers"]:
+                log.debug("fusion-compiler: %d of %d kernels compiled by worker processes",
+                          compiling.counts["by_workers"], compiling.counts["kernels"])
+            for kernel, exc in failed.items():
+                errors.append(exc)
+                why = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+                for g in self.users[kernel]:
+                    g.error = f"Triton could not compile its kernel ({why})"
+                    dropped += ctx.launchers.pop(g.id, None) is not None
+        if errors and ctx.config.strict:
+            raise errors[0]
+        ctx.kernels[:] = [k for k in ctx.kernels if not k["runs"] or k["group"] in ctx.launchers]
+        return dropped
+
+
+def abandon(ctx) -> None:
+    """Wait for the kernels still compiling and keep nothing of them: the graph's compile
+    failed before ``finish`` (no thread is left holding the compile pool)."""
+    compiles, ctx.compiles = ctx.compiles, None
+    if compiles is not None:
+        with contextlib.suppress(Exception):
+            compiles.finish()
 
 
 def _op(node) -> str:

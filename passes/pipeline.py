@@ -28,15 +28,28 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 
 
 def compile_graph(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    """ATen graph -> graph of generated kernels and the ATen ops left over. The time of each
-    phase goes to ``ctx.seconds`` (generate's Triton compiles under "triton")."""
+    """ATen graph -> graph of generated kernels and the ATen ops left over. Its kernels may
+    still be compiling on threads when it returns: the caller gets the graph ready to run
+    meanwhile, then calls ``finish``. The time of each phase goes to ``ctx.seconds``."""
     started = time.perf_counter()
-    gm = analyze(gm, ctx)           # groups
+    gm = ctx.analyzed = analyze(gm, ctx)    # groups
     analyzed = time.perf_counter()
-    gm = generate.run(gm, ctx)      # one cached Triton kernel per group
-    generated = time.perf_counter()
-    gm = partition.run(gm, ctx)     # one launcher call per group; the rest stays ATen
-    compiled = ctx.seconds.get("triton", 0.0) + ctx.seconds.get("autotune", 0.0)
-    ctx.seconds.update(analyze=analyzed - started, sources=generated - analyzed - compiled,
+    try:
+        generate.run(gm, ctx)       # one cached Triton kernel per group, compiling on threads
+        generated = time.perf_counter()
+        out = partition.run(gm, ctx)    # one launcher call per group; the rest stays ATen
+    except BaseException:
+        generate.abandon(ctx)       # no kernel left compiling
+        raise
+    ctx.seconds.update(analyze=analyzed - started, sources=generated - analyzed,
                        partition=time.perf_counter() - generated)
+    return out
+
+
+def finish(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """Wait for the kernels ``compile_graph`` left compiling (the wait goes to
+    ``ctx.seconds["triton"]``). Returns its graph ``gm``, or, where Triton could not compile a
+    group's kernel, the graph partitioned anew with that group on ATen."""
+    if generate.finish(ctx):
+        return partition.run(ctx.analyzed, ctx)
     return gm

@@ -90,3 +90,31 @@ def current_cache():
     from fusion_compiler import backend
     from fusion_compiler.config import Config
     return backend.kernel_cache(Config.from_env())
+
+
+class _NoCompiles:
+    """In place of generate.KernelCompiles: nothing is compiled at compile time (the first
+    launch compiles, as in Triton's interpreter); the tests' hooks run instead."""
+
+    def __init__(self, ctx, at_add, at_finish):
+        self.ctx, self.at_add, self.at_finish = ctx, at_add, at_finish
+
+    def add(self, group, launch):
+        if self.at_add is not None:
+            self.at_add(self.ctx, group, launch)
+
+    def finish(self):
+        if self.at_finish is not None:
+            self.at_finish(self.ctx)
+        return 0
+
+
+def instead_of_compiles(monkeypatch, at_finish=None, at_add=None):
+    """Generated kernels are not compiled at compile time; ``at_add(ctx, group, launch)`` runs
+    as the generate pass makes each group's launcher (before partition), ``at_finish(ctx)``
+    where the pipeline waits for the compiles (after it). Lean launchers, as on a GPU."""
+    from fusion_compiler.passes import generate
+
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(generate, "KernelCompiles",
+                        lambda ctx: _NoCompiles(ctx, at_add, at_finish))

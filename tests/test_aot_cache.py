@@ -419,3 +419,44 @@ def test_a_loaded_graph_makes_the_same_kernels(cache_dir, device):
     assert_close(out2, ref)
     for k, (g, want) in enumerate(zip(grads2, ref_grads)):
         assert_close(g, want, atol=1e-4, rtol=1e-4, name=f"grad {k}")
+
+
+class MaskedScores(torch.nn.Module):
+    """Scores under a causal mask built from constants: constant folding computes the mask
+    at compile time, rewriting the graph in place (9 rows: an odd size)."""
+
+    def forward(self, x):
+        n = x.shape[-2]
+        mask = torch.triu(torch.full((n, n), float("-inf"), device=x.device), diagonal=1)
+        return torch.softmax(x @ x.transpose(-1, -2) + mask, dim=-1) * 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kept_graph_is_the_one_before_the_passes(cache_dir, device, dtype, monkeypatch):
+    """The graph is pickled while its kernels compile, after the passes have rewritten it in
+    place: what is kept is a copy taken before them. A second compile loads the graph the
+    first compile was handed (same ops, same order), folds and fuses it the same way, and
+    matches eager."""
+    from fusion_compiler import backend
+
+    handed = []
+    compile_aten_graph = backend.compile_aten_graph
+
+    def spy(gm, kind, config, **kw):
+        handed.append([(n.op, str(n.target)) for n in gm.graph.nodes])
+        return compile_aten_graph(gm, kind, config, **kw)
+    monkeypatch.setattr(backend, "compile_aten_graph", spy)
+    x = torch.randn(3, 9, 16, device=device, dtype=dtype)
+    outs, kernels = [], []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad(), fusion_compiler.capture_compiles() as reports:
+            outs.append(torch.compile(MaskedScores(), backend="fusion")(x))
+        kernels.append(sorted(k["key"] for r in reports for k in r.kernels))
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    assert len(handed) == 2 and handed[0] == handed[1]
+    assert any("triu" in target or "full" in target for _, target in handed[0]), handed[0]
+    assert kernels[0] == kernels[1] and kernel_count(reports) >= 1
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[1], MaskedScores()(x), dtype=dtype)

@@ -10,8 +10,7 @@ import torch
 
 from fusion_compiler.codegen import autotune
 from fusion_compiler.codegen import launch as L
-from fusion_compiler.passes import generate
-from helpers import assert_close, compile_and_run, kernel_count
+from helpers import assert_close, compile_and_run, instead_of_compiles, kernel_count
 
 
 def rmsnorm(x, w):
@@ -43,8 +42,7 @@ def _tuning(monkeypatch, time_fn, count=1):
     def spy(ctx):
         seen.append(ctx)
         autotune.tune(ctx, time_fn=time_fn, count=count)
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels", spy)
+    instead_of_compiles(monkeypatch, at_finish=spy)
     return seen
 
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from fusion_compiler.codegen import compile_pool, compile_worker, precompile
-from fusion_compiler.passes import generate
-from helpers import assert_close, compile_and_run, kernel_count
+from helpers import assert_close, compile_and_run, instead_of_compiles, kernel_count
 from test_precompile import gqa_attention
 
 
@@ -41,9 +40,8 @@ def _cases():
 def _record(monkeypatch) -> list:
     """The launches the first GPU calls of ``_cases`` would make, as ``launch_specs``."""
     specs = []
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels",
-                        lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    instead_of_compiles(monkeypatch,
+                        at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
     for name, fn, args in _cases():
         before = len(specs)
         out, reports = compile_and_run(fn, args)
@@ -52,7 +50,7 @@ def _record(monkeypatch) -> list:
     return specs
 
 
-# In a process without the interpreter: `with_workers` over the recorded launches, each run
+# In a process without the interpreter: `Compiling` over the recorded launches, each run
 # here by `compile_for_target` (what `kernel.warmup` does on a GPU), listening for cache hits
 _POOL = """
 import json, os, pickle, sys, threading, types
@@ -89,8 +87,11 @@ def run(kernel, launches):
     ran.append(kernel.fn.__name__)
     for _, _, args, kwargs in launches:
         precompile.compile_for_target(kernel, args, kwargs, target)
-counts = {"by_workers": 0}
-precompile.with_workers(by_kernel, run, target, 2, pool, counts)
+with precompile.Compiling(run, 2, pool, target) as compiling:
+    for calls in by_kernel.values():    # one kernel at a time, as the generate pass adds them
+        compiling.add(calls)
+counts = compiling.counts
+assert not compiling.failed, compiling.failed
 alive = [w.alive for w in pool.workers]
 pool.close()
 print(json.dumps({"ready": ready, "alive": alive, "kernels": len(by_kernel), "ran": len(ran),
@@ -140,9 +141,8 @@ def test_worker_code_leaves_out_only_the_launcher_imports(monkeypatch, device):
     """The worker runs a generated module without torch and the launch helpers, each kernel at
     its own line of the file (Triton's cache key includes the line a kernel starts at)."""
     specs = []
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels",
-                        lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    instead_of_compiles(monkeypatch,
+                        at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
     name, fn, args = _cases()[1]
     compile_and_run(fn, [a.to(device) for a in args])
     path = specs[0]["path"]
@@ -229,3 +229,4 @@ def test_an_idle_pool_is_closed_and_the_next_graph_starts_another(monkeypatch):
     finally:
         monkeypatch.setattr(compile_pool, "IDLE_S", 60.0)
         again.close()
+

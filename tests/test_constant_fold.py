@@ -17,8 +17,8 @@ def _compiled(monkeypatch, fn, args, grad=False):
     """(outputs, reports, compiled graph modules) of ``fn``."""
     graphs = []
     compile_aten_graph = backend.compile_aten_graph
-    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config: graphs.append(
-        compile_aten_graph(gm, kind, config)) or graphs[-1])
+    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config, **kw: graphs.append(
+        compile_aten_graph(gm, kind, config, **kw)) or graphs[-1])
     with torch.set_grad_enabled(grad):
         out, reports = compile_and_run(fn, args)
     return out, reports, graphs
@@ -201,8 +201,8 @@ def test_sizes_from_the_inputs_are_not_constants(monkeypatch, device):
     and each size gets its own right mask."""
     graphs = []
     compile_aten_graph = backend.compile_aten_graph
-    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config: graphs.append(
-        compile_aten_graph(gm, kind, config)) or graphs[-1])
+    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config, **kw: graphs.append(
+        compile_aten_graph(gm, kind, config, **kw)) or graphs[-1])
     x = torch.randn(2, 7, 5, device=device)
     with torch.no_grad():
         out, _ = compile_and_run(gpt2_mask_attention, (x,), dynamic=True)

@@ -12,8 +12,8 @@ def _compiled_graph(monkeypatch, fn, args):
     """(outputs, reports, the one compiled graph module) of ``fn`` compiled for inference."""
     graphs = []
     compile_aten_graph = backend.compile_aten_graph
-    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config: graphs.append(
-        compile_aten_graph(gm, kind, config)) or graphs[-1])
+    monkeypatch.setattr(backend, "compile_aten_graph", lambda gm, kind, config, **kw: graphs.append(
+        compile_aten_graph(gm, kind, config, **kw)) or graphs[-1])
     with torch.no_grad():
         out, reports = compile_and_run(fn, args)
     (gm,) = graphs

@@ -10,7 +10,7 @@ from triton.backends.compiler import BaseBackend
 
 from fusion_compiler.codegen import precompile
 from fusion_compiler.passes import generate
-from helpers import as_tuple, assert_close, compile_and_run, kernel_count
+from helpers import as_tuple, assert_close, compile_and_run, instead_of_compiles, kernel_count
 
 
 def rope(x, cos, sin):
@@ -53,22 +53,17 @@ def test_predicted_launches_are_the_real_ones(dtype, rows, monkeypatch, device):
         monkeypatch.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "0")
     compared = {}
 
-    def spy(ctx):
-        for g in ctx.groups:
-            launch = ctx.launchers.get(g.id)
-            if launch is None:
-                continue
-            predicted = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
+    def checking(ctx, g, launch):
+        predicted = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
 
-            def checked(*args, launch=launch, predicted=predicted, n=len(g.inputs), gid=g.id):
-                real = precompile.recorded_launches(launch, args[:n], args[n:])
-                compared[gid] = ([_specialization(c) for c in predicted],
-                                 [_specialization(c) for c in real])
-                return launch(*args)
-            ctx.launchers[g.id] = checked
+        def checked(*args, n=len(g.inputs)):
+            real = precompile.recorded_launches(launch, args[:n], args[n:])
+            compared[g.id] = ([_specialization(c) for c in predicted],
+                              [_specialization(c) for c in real])
+            return launch(*args)
+        ctx.launchers[g.id] = checked
 
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels", spy)
+    instead_of_compiles(monkeypatch, at_add=checking)
     args = model_args(dtype, device)
     out, reports = compile_and_run(model, args)
     for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(model(*args)))):
@@ -85,9 +80,21 @@ def test_predicted_launches_are_the_real_ones(dtype, rows, monkeypatch, device):
     assert unaligned and unaligned[0][1] == "", unaligned
 
 
-def _fail_persistent(calls, device, threads, pool=None, counts=None):
-    return {c[0]: RuntimeError("PTXAS error: Entry function uses too much shared data\nmore")
-            for c in calls if _name(c[0]) == "_persistent_kernel"}
+class _FailPersistent:
+    """In place of precompile.Compiling: Triton fails every persistent-row kernel, after the
+    graph has been partitioned with it."""
+
+    def __init__(self, run, threads, pool=None, target=None):
+        self.failed, self.counts = {}, {"kernels": 0, "by_workers": 0}
+
+    def add(self, calls):
+        for c in calls:
+            if _name(c[0]) == "_persistent_kernel":
+                self.failed[c[0]] = RuntimeError("PTXAS error: Entry function uses too much "
+                                                 "shared data\nmore")
+
+    def wait(self):
+        return self.failed
 
 
 def rmsnorm_gelu(x, y, w):
@@ -100,7 +107,7 @@ def rmsnorm_gelu(x, y, w):
 def test_kernel_triton_cannot_compile_stays_on_aten(dtype, monkeypatch, device):
     monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
     monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(precompile, "compile_launches", _fail_persistent)
+    monkeypatch.setattr(precompile, "Compiling", _FailPersistent)
     args = [torch.randn(6, 33, dtype=dtype, device=device), torch.randn(6, 33, dtype=dtype, device=device),
             torch.randn(33, dtype=dtype, device=device)]
     out, reports = compile_and_run(rmsnorm_gelu, args)
@@ -116,10 +123,103 @@ def test_kernel_triton_cannot_compile_stays_on_aten(dtype, monkeypatch, device):
 
 def test_kernel_triton_cannot_compile_raises_when_strict(monkeypatch, device):
     monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(precompile, "compile_launches", _fail_persistent)
+    monkeypatch.setattr(precompile, "Compiling", _FailPersistent)
     args = [torch.randn(6, 33, device=device) for _ in range(2)] + [torch.randn(33, device=device)]
     with pytest.raises(Exception, match="PTXAS error"):
         compile_and_run(rmsnorm_gelu, args)
+
+
+def norm_and_sigmoid(x, y, w, z):
+    h = x + y
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    return n, torch.sigmoid(z) * 3.0 - 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_a_kernel_that_fails_after_partition_leaves_the_others_fused(dtype, rows, monkeypatch,
+                                                                     device):
+    """The graph is partitioned while its kernels compile: one Triton then fails is put back
+    on ATen by partitioning again; the other kernel still runs."""
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "0")
+    monkeypatch.setattr(generate, "LEAN", True)
+    monkeypatch.setattr(precompile, "Compiling", _FailPersistent)
+    r = lambda *s: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
+    args = [r(rows, 33), r(rows, 33), r(33), r(5, 19)]
+    out, reports = compile_and_run(norm_and_sigmoid, args)
+    for i, (a, e) in enumerate(zip(out, norm_and_sigmoid(*args))):
+        assert_close(a, e, dtype=dtype, name=f"output {i}")
+    (report,) = reports
+    assert [e for _, e in report.groups_not_generated] == [
+        "Triton could not compile its kernel (RuntimeError: PTXAS error: Entry function uses "
+        "too much shared data)"]
+    assert kernel_count(reports) == 1
+    assert "aten.sigmoid.default" in report.kernels[0]["ops"], report.kernels
+    assert any("mean" in op for op in report.aten_ops)
+    assert not any("sigmoid" in op for op in report.aten_ops)
+
+
+class _Kernel:
+    def __init__(self, name):
+        self.name = name
+
+
+def _call(kernel, *args, **kwargs):
+    return (kernel, (1,), args, kwargs)
+
+
+def test_kernels_compile_as_they_are_added():
+    """``Compiling`` runs each kernel's launches on its threads as soon as they are added,
+    before ``wait``; a launch added again is not run again; a kernel that raises is reported,
+    the others still run."""
+    a, b, bad = _Kernel("a"), _Kernel("b"), _Kernel("bad")
+    ran, first = [], threading.Event()
+
+    def run(kernel, calls):
+        ran.append((kernel.name, [c[2] for c in calls], threading.current_thread().name))
+        first.set()
+        if kernel is bad:
+            raise RuntimeError("PTXAS error")
+
+    compiling = precompile.Compiling(run, threads=2)
+    compiling.add([_call(a, precompile.StandIn(torch.float16, 16), 4096)])
+    assert first.wait(10), "the first kernel did not start before wait()"
+    compiling.add([_call(a, precompile.StandIn(torch.float16, 16), 4096),     # again: skipped
+                   _call(a, precompile.StandIn(torch.float16, 2), 4096),
+                   _call(b, 7, BLOCK=64), _call(bad, 1.5)])
+    failed = compiling.wait()
+    by_kernel = {}
+    for name, args, thread in ran:
+        assert thread.startswith("fc-compile"), thread
+        by_kernel.setdefault(name, []).extend(args)
+    assert [len(by_kernel[k]) for k in ("a", "b", "bad")] == [2, 1, 1], ran
+    assert [args[0].address for args in by_kernel["a"]] == [16, 2]
+    assert by_kernel["b"] == [(7,)] and by_kernel["bad"] == [(1.5,)]
+    assert list(failed) == [bad] and str(failed[bad]) == "PTXAS error"
+    assert compiling.counts == {"kernels": 3, "by_workers": 0}
+
+
+def test_a_compile_leaves_the_pool_free():
+    """The pool's lock is held from the first kernel added to ``wait``, and released when the
+    caller leaves the ``with`` block on an error."""
+    class Pool:
+        lock = threading.Lock()
+        last_used = 0.0
+
+        def started(self):
+            return []
+
+    pool = Pool()
+    with precompile.Compiling(lambda k, c: None, 1, pool, target=object()) as compiling:
+        assert not pool.lock.locked()           # nothing added: not taken
+        compiling.add([_call(_Kernel("a"), 1)])
+        assert pool.lock.locked()
+    assert not pool.lock.locked() and pool.last_used > 0
+    with pytest.raises(ValueError):
+        with precompile.Compiling(lambda k, c: None, 1, pool, target=object()) as compiling:
+            compiling.add([_call(_Kernel("a"), 1)])
+            raise ValueError("a pass failed")
+    assert not pool.lock.locked()
 
 
 @pytest.mark.gpu
@@ -229,9 +329,8 @@ def test_generated_kernels_compile_for_sm90(name, fn, args, env, monkeypatch, tm
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     specs = []
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels",
-                        lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    instead_of_compiles(monkeypatch,
+                        at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
     out, reports = compile_and_run(fn, args)
     for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(fn(*args)))):
         fp8 = a.dtype == torch.float8_e4m3fn

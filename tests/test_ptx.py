@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from fusion_compiler.codegen import precompile
-from fusion_compiler.passes import generate
-from helpers import compile_and_run, kernel_count
+from helpers import compile_and_run, instead_of_compiles, kernel_count
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
@@ -62,9 +61,8 @@ CASES = {
 def launches(fn, args, monkeypatch) -> list:
     """The launches of ``fn``'s one kernel as ``precompile.compile_specs`` takes them."""
     specs = []
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels",
-                        lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    instead_of_compiles(monkeypatch,
+                        at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
     out, reports = compile_and_run(fn, args)
     assert kernel_count(reports) == 1 and specs
     return specs
@@ -212,9 +210,8 @@ def test_a_column_sum_loads_in_vectors_across_its_rows(cache_dir, tmp_path, devi
         y = g * torch.sigmoid(x)
         return y, y.sum(0)
     specs = []
-    monkeypatch.setattr(generate, "LEAN", True)
-    monkeypatch.setattr(generate, "_compile_kernels",
-                        lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    instead_of_compiles(monkeypatch,
+                        at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
     out, reports = compile_and_run(f, (g, x))
     assert kernel_count(reports) == 2
     first = [s for s in specs if "sigmoid" in Path(s["path"]).read_text()]
