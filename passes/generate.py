@@ -157,10 +157,11 @@ def _op(node) -> str:
     return op_name(node.target) if node.op == "call_function" else ""
 
 
-def _gated(group) -> bool:
-    """Whether a sigmoid's result multiplies a value it was not computed from (SwiGLU's up
-    projection, apart or a half of one tensor), rather than its own input (SiLU,
-    x * sigmoid(x); QuickGELU, x * sigmoid(1.702 x))."""
+def _gate(group) -> str | None:
+    """"swiglu" where a sigmoid's result multiplies a value it was not computed from (SwiGLU's
+    up projection, apart or a half of one tensor), "silu" where it multiplies its own input
+    (SiLU, x * sigmoid(x); QuickGELU, x * sigmoid(1.702 x)); None where no product pairs a
+    sigmoid with a tensor (a scaled sigmoid, sigmoid(x) * 3)."""
     members = set(group.members)
 
     def ancestors(node):
@@ -178,6 +179,7 @@ def _gated(group) -> bool:
             node = node.all_input_nodes[0]
         return node
 
+    gate = None
     for n in group.members:
         if _op(n) != "mul" or len(n.all_input_nodes) != 2:
             continue
@@ -186,8 +188,9 @@ def _gated(group) -> bool:
                 if s in members and _op(s) == "sigmoid":
                     source = {unwrapped(a) for a in ancestors(s)}
                     if unwrapped(other) not in source and s not in ancestors(other):
-                        return True
-    return False
+                        return "swiglu"
+                    gate = "silu"
+    return gate
 
 
 def _has_constant(group, value: float) -> bool:
@@ -212,8 +215,9 @@ def label(group) -> str:
         parts.append("layernorm" if centred else "rmsnorm")
     if "cat" in ops and "neg" in ops:
         parts.append("rope")
-    if "sigmoid" in ops and "mul" in ops:
-        parts.append("swiglu" if _gated(group) else "silu")
+    gate = _gate(group) if "sigmoid" in ops and "mul" in ops else None
+    if gate is not None:
+        parts.append(gate)
     if "erf" in ops or ("tanh" in ops and _has_constant(group, 0.044715)):
         parts.append("gelu")            # exact, or tanh's approximation (its cubic's factor)
     elif "tanh" in ops:

@@ -1,6 +1,7 @@
 """The label of each fused kernel (dump's `label` column): what the kernel computes, told apart
 where two computations share ops (SiLU and SwiGLU both multiply by a sigmoid; tanh-GELU and a
-soft-cap both take a tanh; LayerNorm and RMSNorm both take an rsqrt of a mean)."""
+soft-cap both take a tanh; LayerNorm and RMSNorm both take an rsqrt of a mean; a sigmoid
+scaled by a number is neither)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,11 @@ CASES = {
     "softcap": lambda x, w: 30.0 * torch.tanh((x @ w) / 30.0),
     "two_rmsnorms": lambda x, w: rmsnorm(rmsnorm(x @ w, w[0]) + x, w[1]),
     "layernorm": lambda x, w: F.layer_norm(x @ w, (x.shape[-1],), w[0], w[1]),
+    "scaled_sigmoid": lambda x, w: torch.sigmoid(x @ w) * 3.0 - 1.0,
 }
 LABELS = {"silu": "silu", "quick_gelu": "silu", "swiglu": "swiglu", "swiglu_halves": "swiglu",
           "gelu_tanh": "gelu", "gelu_erf": "gelu", "softcap": "tanh",
-          "two_rmsnorms": "rmsnorm", "layernorm": "layernorm"}
+          "two_rmsnorms": "rmsnorm", "layernorm": "layernorm", "scaled_sigmoid": "pointwise"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
