@@ -258,7 +258,6 @@ class Compiling:
 
     def __init__(self, run, threads: int, pool=None, target=None):
         self.failed: dict = {}
-        self.counts = {"kernels": 0, "by_workers": 0}
         self._run, self._threads, self._pool, self._target = run, max(1, threads), pool, target
         self._seen: set = set()           # launches added
         self._kernels: set = set()         # kernels added
@@ -269,6 +268,10 @@ class Compiling:
         self._workers: list | None = None       # None: not started (nothing added yet)
         self._started: list = []
         self._locked = False
+
+    @property
+    def counts(self) -> dict:
+        return {"kernels": len(self._kernels), "by_workers": len(self._by_workers)}
 
     def __enter__(self):
         return self
@@ -296,7 +299,6 @@ class Compiling:
             self._start()
         with self._cond:
             self._kernels.update(jobs)
-            self.counts["kernels"] = len(self._kernels)
             self._jobs.extend(jobs.items())
             self._cond.notify_all()
 
@@ -382,7 +384,6 @@ class Compiling:
                 if results is not None and not any(results):
                     with self._cond:
                         self._by_workers.add(kernel)
-                        self.counts["by_workers"] = len(self._by_workers)
             self._do(kernel, kernel_calls)  # a cache hit where the worker compiled it
 
 
