@@ -201,6 +201,14 @@ def _create_driver() -> None:
         # (twice, each cached for the process), which a warm compile's first cache lookup
         # would otherwise wait for (get_ptxas 0.1 s under cProfile in a warm GPT-2 compile)
         make_backend(driver.active.get_current_target()).hash()
+        # a process's first argument binding imports Triton's gluon packages (Triton 3.6's
+        # native specializer; 54-65 ms on the H200 device's host): here, while aot_autograd
+        # traces, not on the compile thread that binds the first kernel request (it held up
+        # every request by 105 ms, session 38)
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        native_specialize_impl(BaseBackend, StandIn(torch.float32, 0), False, True, True)
     except Exception as exc:        # the compile threads will meet it again, and report it
         log.debug("fusion-compiler: Triton's driver not prepared (%s)", exc)
 

@@ -80,6 +80,25 @@ def test_predicted_launches_are_the_real_ones(dtype, rows, monkeypatch, device):
     assert unaligned and unaligned[0][1] == "", unaligned
 
 
+def test_biggest_kernels_start_compiling_first(monkeypatch, device):
+    # the longest compiles leave first (Llama's multi-part RoPE kernel was the critical path,
+    # session 38); the report still lists the kernels in the groups' order
+    sizes, groups = [], []
+
+    def seen(ctx, g, launch):
+        sizes.append(len(g.nodes))
+        groups[:] = [h.id for h in ctx.groups if h.ir is not None]
+
+    instead_of_compiles(monkeypatch, at_add=seen)
+    args = model_args(torch.float32, device)
+    out, reports = compile_and_run(model, args)
+    for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(model(*args)))):
+        assert_close(a, e, dtype=torch.float32, name=f"output {i}")
+    assert len(sizes) == kernel_count(reports) >= 3
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1], sizes
+    assert [k["group"] for k in reports[0].kernels] == groups
+
+
 class _FailPersistent:
     """In place of precompile.Compiling: Triton fails every persistent-row kernel, after the
     graph has been partitioned with it."""
