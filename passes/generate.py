@@ -133,11 +133,12 @@ class KernelCompiles:
         errors = []
         for compiling in self.on.values():
             failed = compiling.wait()
-            ctx.compiled[0] += compiling.counts["by_workers"]
-            ctx.compiled[1] += compiling.counts["kernels"]
-            if compiling.counts["by_workers"]:
+            counts = compiling.counts
+            ctx.compiled[0] += counts["by_workers"]
+            ctx.compiled[1] += counts["kernels"]
+            if counts["by_workers"]:
                 log.debug("fusion-compiler: %d of %d kernels compiled by worker processes",
-                          compiling.counts["by_workers"], compiling.counts["kernels"])
+                          counts["by_workers"], counts["kernels"])
             for kernel, exc in failed.items():
                 errors.append(exc)
                 why = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"

@@ -229,4 +229,3 @@ def test_an_idle_pool_is_closed_and_the_next_graph_starts_another(monkeypatch):
     finally:
         monkeypatch.setattr(compile_pool, "IDLE_S", 60.0)
         again.close()
-
