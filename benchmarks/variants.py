@@ -236,18 +236,25 @@ def one_pass_amax(fallback=True):
     return rewrite
 
 
-def streamed(loads=True, stores=True):
+def streamed(loads=True, stores=True, store_hint="evict_first"):
     """The row's loads and the row-sized stores marked evict-first in L1 and L2 (Triton's
     ``eviction_policy``: ``createpolicy.fractional.L2::evict_first`` and a cache hint on each
     access, sm_90, CPU): the bytes a row kernel reads and writes once displace other lines of
-    L2 last. do_bench's flush leaves L2 full of dirty lines; evicting them costs writes."""
+    L2 last. do_bench's flush leaves L2 full of dirty lines; evicting them costs writes.
+
+    ``store_hint="evict_last"`` keeps the written rows in L2 instead (session 40's hypothesis,
+    rejected: slower by every measure on both FP8 kernels and add+RMSNorm): the lines written back
+    inside the timed call are the flush's and those of ours that L2 cannot hold at the end, so
+    the more of the output L2 still holds dirty when the kernel ends, the fewer writes it waits
+    for (and a consumer launched next, a GEMM reading the FP8 rows, would find them in L2)."""
     row = r"\(cols \+ \(\d+ \* rindex\)\)"
-    hint = r'\1, eviction_policy="evict_first")'
     subs = []
     if loads:
-        subs.append((rf"(tl\.load\(in0 \+ {row}, mask=rmask & cmask, other=0)\)", hint))
+        subs.append((rf"(tl\.load\(in0 \+ {row}, mask=rmask & cmask, other=0)\)",
+                     r'\1, eviction_policy="evict_first")'))
     if stores:
-        subs.append((rf"(tl\.store\(out\d+ \+ {row}, .*?, mask=rmask & cmask)\)", hint))
+        subs.append((rf"(tl\.store\(out\d+ \+ {row}, .*?, mask=rmask & cmask)\)",
+                     rf'\1, eviction_policy="{store_hint}")'))
     return subs
 
 
@@ -546,6 +553,11 @@ VARIANTS = {
         "8 rows w8": [rows(8, 8)],
     },
     "add_rmsnorm": {
+        # session 40 call 1 (6 rounds; do_bench / kernel / clean flush / back to back, us):
+        # generated 132.5 / 129.31 / 128.22 / 129.87, evict-last stores 133.5 / 130.38 / 126.45
+        # / 130.78, evict-first loads + evict-last stores 134.8 / 131.60 / 128.74 / 132.08
+        "evict-last stores": streamed(loads=False, store_hint="evict_last"),
+        "evict-first loads, evict-last stores": streamed(store_hint="evict_last"),
         "w4": [rows(1, 4)],
         "store early": [store_early],
         # 64 registers, 8 blocks of 128 threads an SM; held to 56 (9 blocks): 4 spilled values
@@ -571,6 +583,13 @@ VARIANTS = {
         # loads 53.8 / 50.21, loads and stores 54.6 / 51.36
         "evict-first loads and stores": streamed(),
         "evict-first loads": streamed(stores=False),
+        # session 40 call 1 (6 rounds; do_bench / kernel / clean flush / back to back, us):
+        # generated 52.8 / 49.60 / 47.17 / 47.81, evict-last stores 54.5 / 51.20 / 47.84 /
+        # 49.27, + evict-first loads 56.0 / 52.80 / 48.48 / 52.45, + maxnreg 48 54.5 / 51.20 /
+        # 47.81 / 49.26: keeping the output in L2 is slower by every measure
+        "evict-last stores": streamed(loads=False, store_hint="evict_last"),
+        "evict-first loads, evict-last stores": streamed(store_hint="evict_last"),
+        "evict-last stores, maxnreg 48": [*streamed(loads=False, store_hint="evict_last"), maxnreg(48)],
         # 72 registers (7 blocks of 128 threads an SM, 132 SMs); 64: 8 blocks, no spills
         "prefetch 924": [prefetch(924)],
         "prefetch 1056, maxnreg 64": [prefetch(1056), maxnreg(64)],
@@ -652,6 +671,13 @@ VARIANTS = {
         # no reductions 52.2 / 46.13: the faster kernels gain after a clean flush only
         "evict-first loads": streamed(stores=False),
         "evict-first stores": streamed(loads=False),
+        # session 40 call 1 (6 rounds; do_bench / kernel / clean flush / back to back, us):
+        # generated 53.4 / 51.41 / 49.25 / 48.69, maxnreg 48 53.3 / 50.72 / 48.03 / 48.50,
+        # evict-last stores 55.0 / 52.91 / 50.30 / 49.61, + evict-first loads 55.5 / 52.46 /
+        # 49.44 / 51.89, + maxnreg 48 55.0 / 52.40 / 49.41 / 49.69: slower by every measure
+        "evict-last stores": streamed(loads=False, store_hint="evict_last"),
+        "evict-first loads, evict-last stores": streamed(store_hint="evict_last"),
+        "evict-last stores, maxnreg 48": [*streamed(loads=False, store_hint="evict_last"), maxnreg(48)],
         "evict-first loads and stores": streamed(),
         "evict-first loads and stores, maxnreg 48": [*streamed(), maxnreg(48)],
         # session 30 (do_bench / kernel / after a clean flush, us; 6 rounds): generated 53.4 /
