@@ -13,7 +13,8 @@
 #              cases this small: its event timer moves in steps of about 0.5 us, BENCHMARKS.md)
 #   patterns   patterns at 16384 rows
 #   variants   benchmarks/variants.py with $VARIANTS_ARGS (time limit $VARIANTS_LIMIT s, 150)
-#   models     `bench` on $MODELS
+#   models     `bench` on $MODELS, with $BENCH_ARGS (e.g. "--rounds 15"; time limit $MODELS_LIMIT s,
+#              240)
 #   zoo        `bench` on $ZOO (benchmarks/hf_zoo.py's architectures; about 70 s each)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS (time limit $COMPILE_LIMIT s
@@ -69,8 +70,8 @@ for s in $STEPS; do
         --out $OUT/patterns.json 2>&1 | $quiet" ;;
     variants) step variants ${VARIANTS_LIMIT:-150} "python3 benchmarks/variants.py --rounds 3 --out /tmp/variants \
         ${VARIANTS_ARGS:-} 2>&1 | $quiet" ;;
-    models) step models 240 "fusion-compiler bench $MODELS --compare eager,inductor,fusion \
-        -o $OUT/models.json 2>&1 | $quiet" ;;
+    models) step models ${MODELS_LIMIT:-240} "fusion-compiler bench $MODELS --compare eager,inductor,fusion \
+        ${BENCH_ARGS:-} -o $OUT/models.json 2>&1 | $quiet" ;;
     zoo) step zoo $(( 90 * $(echo $ZOO | wc -w) )) "fusion-compiler bench $ZOO \
         --compare eager,inductor,fusion -o $OUT/zoo.json 2>&1 | $quiet" ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \

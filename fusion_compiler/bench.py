@@ -1,8 +1,9 @@
 """`fusion-compiler bench`: eager vs Inductor vs fusion on the GPU, one table and a JSON file.
 
 For each target and backend: median latency (triton.testing.do_bench: warm-up, then the median
-of repeated calls on fresh random inputs; with several backends, the median of five rounds
-that time each backend in turn), speedup over eager, the HBM floor and the fraction of
+of repeated calls on fresh random inputs; with several backends, the median of ``rounds``
+rounds, five by default, that time each backend in turn, and each fusion backend's per-round
+difference from the others), speedup over eager, the HBM floor and the fraction of
 it reached (patterns), CUDA kernels launched per call (profiler count), cold compile time (first
 call) and warm compile time (dynamo reset, kernel caches full), peak memory (reserved, and the
 call's own allocated tensors), and the largest
@@ -240,12 +241,49 @@ def _copy_bandwidth() -> float:
     return _BW[0]
 
 
+def paired(times: dict) -> dict:
+    """Each fusion backend against each other backend, round by round: ``times`` maps a backend
+    to its interleaved rounds' latencies (ms). Returns {fusion backend: {other: {"median_diff_ms",
+    "median_diff_frac", "faster_rounds", "rounds"}}}: the median of the rounds' differences
+    (negative: fusion faster), the same over the other's median, and in how many rounds fusion
+    was the faster. A round's two timings sit seconds apart, so a drift of the GPU's clock
+    between rounds (a GEMM-bound model on the H200 moved 6.0-7.4 ms between rounds, session 40)
+    falls on both; the medians of the two columns alone do not tell a 2% lead from that noise."""
+    out = {}
+    for f in (b for b in times if b.startswith("fusion")):
+        for o in (b for b in times if not b.startswith("fusion")):
+            d = sorted(x - y for x, y in zip(times[f], times[o]))
+            if not d:
+                continue
+            med = (d[(len(d) - 1) // 2] + d[len(d) // 2]) / 2
+            ref = sorted(times[o])
+            ref = (ref[(len(ref) - 1) // 2] + ref[len(ref) // 2]) / 2
+            out.setdefault(f, {})[o] = {"median_diff_ms": med, "median_diff_frac": med / ref,
+                                        "faster_rounds": sum(x < 0 for x in d), "rounds": len(d)}
+    return out
+
+
+def format_paired(results) -> str:
+    """A line per target and pair of backends from ``paired``, under the main table."""
+    lines = []
+    for name, rows in results["targets"].items():
+        for f, row in rows.items():
+            for o, p in row.get("paired", {}).items():
+                lines.append(f"{name}: {f} - {o} per round: median {p['median_diff_ms'] * 1e3:+.1f}us "
+                             f"({p['median_diff_frac']:+.1%}), {f} faster in {p['faster_rounds']} "
+                             f"of {p['rounds']} rounds")
+    return "\n".join(lines)
+
+
 def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, progress=sys.stderr,
-        breakdown=False):
-    """Benchmark ``targets`` [(name, fn, make_inputs, is_pattern)]; print a table (and with
-    ``breakdown``, a GPU time breakdown per target and backend), return rows."""
+        breakdown=False, rounds=ROUNDS):
+    """Benchmark ``targets`` [(name, fn, make_inputs, is_pattern)], timing the backends in
+    ``rounds`` interleaved rounds; print a table (and with ``breakdown``, a GPU time breakdown
+    per target and backend), return rows."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench times kernels on a CUDA GPU and none is visible")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
     results = {"copy_TBps": _copy_bandwidth() / 1e12, "mode": mode, "targets": {}}
     total = len(targets) * len(backends)
     done, profiling = 0, []
@@ -271,13 +309,16 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
             if call is not None:
                 calls[backend] = call
         if len(calls) > 1:
-            print(f"{name}: {ROUNDS} interleaved timing rounds", file=progress, flush=True)
-            for backend, times in interleaved(calls).items():
+            print(f"{name}: {rounds} interleaved timing rounds", file=progress, flush=True)
+            times = interleaved(calls, rounds)
+            for backend, ms in times.items():
                 row = rows[backend]
-                row["ms_alone"], row["ms_rounds"] = row["ms"], times
-                row["ms"] = sorted(times)[len(times) // 2]
+                row["ms_alone"], row["ms_rounds"] = row["ms"], ms
+                row["ms"] = sorted(ms)[len(ms) // 2]
                 if "floor_ms" in row:
                     row["frac_of_floor"] = row["floor_ms"] / row["ms"]
+            for backend, against in paired(times).items():
+                rows[backend]["paired"] = against
         eager_ms = rows.get("eager", {}).get("ms")
         for row in rows.values():
             row["speedup_vs_eager"] = eager_ms / row["ms"] if eager_ms else None
@@ -288,6 +329,8 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
         for backend, row in rows.items():
             row.update(profiles[backend]())
     print(format_table(results))
+    if any("paired" in row for rows in results["targets"].values() for row in rows.values()):
+        print(format_paired(results))
     if breakdown:
         print("\n" + BD.format_tables(results["targets"]))
     if out_path:

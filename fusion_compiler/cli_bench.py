@@ -30,8 +30,26 @@ def add_parser(sub) -> None:
                         "time goes: GEMM, attention, fused kernels, ATen ops left unfused, gaps "
                         "between kernels (share of the call, kernels, %% of the HBM floor of "
                         "the fused kernels where known); in the JSON under 'breakdown'")
+    b.add_argument("--rounds", type=_rounds, metavar="N",
+                   help="interleaved timing rounds (each times every backend in turn; the "
+                        "latency is their median, and fusion's per-round difference from each "
+                        "other backend is printed under the table); default 5. A GEMM-bound "
+                        "model's time can drift several %% between rounds: use more to tell a "
+                        "lead of a few %% from that drift")
     b.add_argument("-o", "--output", metavar="FILE", help="also write the results as JSON")
     b.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+
+
+def _rounds(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of rounds (1 or more)")
+    return n
 
 
 def command(args) -> int:
@@ -61,7 +79,8 @@ def command(args) -> int:
                     targets.append((name, fn, make, True))
                 else:
                     targets.append(_model_target(name, args.dtype))
-        bench.run(targets, backends, args.mode, args.output, breakdown=args.breakdown)
+        bench.run(targets, backends, args.mode, args.output, breakdown=args.breakdown,
+                  rounds=args.rounds or bench.ROUNDS)
     except Exception as exc:        # noqa: BLE001 - one line unless --debug
         if args.debug:
             traceback.print_exception(exc)

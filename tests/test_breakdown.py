@@ -270,18 +270,60 @@ def test_every_target_is_timed_before_any_is_profiled(monkeypatch):
     assert len(order) == 24 and profiled == [20, 21, 22, 23], order
 
 
-@pytest.mark.parametrize("flag, expected", [(["--breakdown"], True), ([], False)])
-def test_the_flag_reaches_bench_run(monkeypatch, flag, expected):
+@pytest.mark.parametrize("flag, expected", [(["--breakdown"], (True, 5)), ([], (False, 5)),
+                                           (["--rounds", "12"], (False, 12))])
+def test_the_flags_reach_bench_run(monkeypatch, flag, expected):
     import torch
     seen = {}
 
-    def fake_run(targets, backends, mode, out_path, breakdown=False):
-        seen.update(targets=[t[0] for t in targets], breakdown=breakdown)
+    def fake_run(targets, backends, mode, out_path, breakdown=False, rounds=None):
+        seen.update(targets=[t[0] for t in targets], breakdown=breakdown, rounds=rounds)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "run", fake_run)
     assert main(["bench", "add_rmsnorm", *flag]) == 0
-    assert seen == {"targets": ["add_rmsnorm"], "breakdown": expected}
+    assert seen == {"targets": ["add_rmsnorm"], "breakdown": expected[0], "rounds": expected[1]}
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many", "2.5"])
+def test_bench_rejects_a_bad_number_of_rounds(capsys, value):
+    assert main(["bench", "add_rmsnorm", "--rounds", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fusion-compiler: error: argument --rounds: "
+                                               f"{value!r} is not a whole number of rounds (1 or more)")
+
+
+def test_paired_rounds_are_fusion_minus_each_other_backend():
+    times = {"eager": [10.0, 12.0, 11.0, 30.0], "inductor": [5.0, 7.0, 6.0, 5.5],
+             "fusion": [4.9, 7.2, 5.7, 5.4], "fusion-cg": [4.0, 4.0, 4.0, 4.0]}
+    got = bench.paired(times)
+    assert sorted(got) == ["fusion", "fusion-cg"]
+    assert sorted(got["fusion"]) == ["eager", "inductor"]
+    ind = got["fusion"]["inductor"]
+    # differences -0.1, +0.2, -0.3, -0.1: median of the even count -0.1, 3 of 4 faster
+    assert ind["median_diff_ms"] == pytest.approx(-0.1)
+    assert ind["median_diff_frac"] == pytest.approx(-0.1 / 5.75)
+    assert (ind["faster_rounds"], ind["rounds"]) == (3, 4)
+    assert got["fusion-cg"]["eager"]["faster_rounds"] == 4
+    assert bench.paired({"eager": [1.0], "inductor": [2.0]}) == {}
+
+
+def test_bench_run_prints_and_stores_the_paired_rounds(monkeypatch, tmp_path, capsys):
+    order = _fake_rows(monkeypatch, eager_rounds=[3.0, 1.0, 2.0])
+    doc = bench.run([("toy", None, None, False)], ("eager", "fusion"),
+                    out_path=tmp_path / "b.json", rounds=3)
+    assert order.count("eager") == 3 and order.count("fusion") == 3
+    assert doc["targets"]["toy"]["eager"]["ms_rounds"] == [3.0, 1.0, 2.0]
+    p = doc["targets"]["toy"]["fusion"]["paired"]["eager"]
+    assert p == {"median_diff_ms": pytest.approx(-0.5), "median_diff_frac": pytest.approx(-0.25),
+                 "faster_rounds": 2, "rounds": 3}
+    assert "paired" not in doc["targets"]["toy"]["eager"]
+    out = capsys.readouterr().out
+    assert "toy: fusion - eager per round: median -500.0us (-25.0%), fusion faster in 2 of 3 " \
+        "rounds" in out
+    assert json.loads((tmp_path / "b.json").read_text())["targets"]["toy"]["fusion"]["paired"]
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        bench.run([("toy", None, None, False)], ("eager", "fusion"), rounds=0)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU is visible: bench would run")
