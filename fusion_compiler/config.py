@@ -63,6 +63,10 @@ class Config:
     # permuted view, in two kernels that take their producers along (passes/column_sums.py);
     # 0: left to ATen's reduction.
     column_sums: bool = True
+    # Attention on key/value heads repeated for grouped-query attention reads the grouped heads
+    # instead, where its kernel takes them (cuDNN, Flash; inference graphs): the repeat's copies
+    # are not made (passes/grouped_attention.py). 0: the graph's copies are kept.
+    grouped_attention: bool = True
     # Keep aot_autograd's result (the ATen forward and backward graphs, or the inference
     # graph, and its runtime wrappers) on disk in torch's AOTAutograd cache, so that a second
     # process compiling the same model skips aot_autograd's trace and partition

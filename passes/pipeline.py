@@ -6,13 +6,15 @@ import time
 import torch
 
 from . import (classify, column_sums, constant_fold, conv_bias, dedupe, empty_values, fuse,
-               generate, index_rows, late_decompose, pad_gemm, partition, roll, shapes)
+               generate, grouped_attention, index_rows, late_decompose, pad_gemm, partition,
+               roll, shapes)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """Decide the fusion groups; no code is generated (what `dump` and CPU runs need). The
     passes rewrite ``gm``'s graph, not its Python code: a caller that runs it recompiles it."""
     late_decompose.run(gm, ctx)     # norms, activations, softmaxes the trace kept whole
+    grouped_attention.run(gm, ctx)  # GQA attention on grouped k/v heads, not repeated copies
     constant_fold.run(gm, ctx)      # values computed from constants alone: computed now, kept
     roll.run(gm, ctx)               # index_select by a constant rotation as a roll
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)

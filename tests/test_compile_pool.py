@@ -26,6 +26,8 @@ def _cases():
             h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype) * w)(x + y),
          (torch.randn(5, 3, 96, dtype=torch.bfloat16), torch.randn(5, 3, 96, dtype=torch.bfloat16),
           torch.randn(96, dtype=torch.bfloat16))),
+        # with the repeats kept as copies (FUSION_COMPILER_GROUPED_ATTENTION=0 where the case
+        # runs): RoPE of q, RoPE of k with its repeat, v's repeat
         ("attention inputs (a kernel of three parts)", gqa_attention,
          (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
           torch.randn(9, 16), torch.randn(9, 16))),
@@ -42,6 +44,7 @@ def _record(monkeypatch) -> list:
     specs = []
     instead_of_compiles(monkeypatch,
                         at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    monkeypatch.setenv("FUSION_COMPILER_GROUPED_ATTENTION", "0")     # three parts: see _cases
     for name, fn, args in _cases():
         before = len(specs)
         out, reports = compile_and_run(fn, args)
@@ -143,6 +146,7 @@ def test_worker_code_leaves_out_only_the_launcher_imports(monkeypatch, device):
     specs = []
     instead_of_compiles(monkeypatch,
                         at_finish=lambda ctx: specs.extend(precompile.launch_specs(ctx)))
+    monkeypatch.setenv("FUSION_COMPILER_GROUPED_ATTENTION", "0")     # three parts: see _cases
     name, fn, args = _cases()[1]
     compile_and_run(fn, [a.to(device) for a in args])
     path = specs[0]["path"]

@@ -28,10 +28,12 @@ _spec.loader.exec_module(llama)
 #   1  row reduction  previous layer's residual add + attn_norm RMSNorm (pow, mean, add, rsqrt,
 #                     mul, mul); in layer 0 the RMSNorm of the embedding alone
 #   2  multi-part     RoPE of q: q*cos + cat(-q2, q1)*sin (chunk became slices / as_strided
-#                     views); as a second part RoPE of k fused with repeat_kv's expand +
-#                     contiguous copy (clone); as a third repeat_kv of v (expand + clone):
+#                     views); as a second part RoPE of k; as a third the contiguous copy of v:
 #                     siblings of other shapes (the first two share cos and sin, all three
-#                     feed attention), one launch
+#                     feed attention), one launch. Where the attention kernel takes grouped
+#                     key/value heads (passes/grouped_attention.py: the CPU's flash, cuDNN,
+#                     Flash) k and v keep their grouped heads; else (fp32 on a GPU) the parts
+#                     write repeat_kv's expanded copies
 #   3  row reduction  residual add (attention) + mlp_norm RMSNorm
 #   4  pointwise      SwiGLU: silu(gate) * up (sigmoid, mul, mul)
 #

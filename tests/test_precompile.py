@@ -299,9 +299,12 @@ def _sm90_cases():
     cases.append(("gather by an index read at one address (a scalar range test)",
                   lambda x, i: torch.gather(x, 0, i.expand(2, 5)) * 3.0,
                   (torch.randn(4, 5), torch.ones(1, 1, dtype=torch.int64)), {}))
+    # the repeats kept as copies (grouped_attention off; on, attention reads k and v as they
+    # are, and the kernel is the two parts above)
     cases.append(("attention inputs (three parts)", gqa_attention,
                   (torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
-                   torch.randn(9, 16), torch.randn(9, 16)), {}))
+                   torch.randn(9, 16), torch.randn(9, 16)),
+                  {"FUSION_COMPILER_GROUPED_ATTENTION": "0"}))
     return cases
 
 
