@@ -68,10 +68,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             continue
         with gm.graph.inserting_before(node):
             new = [x if _val(x).is_contiguous() else _contiguous(gm, x) for x in (key, value)]
-        old = (k, v)
         node.update_arg(1, new[0])
         node.update_arg(2, new[1])
-        for chain in old:
+        for chain in dict.fromkeys((k, v)):     # one repeat may be both key and value
             _erase_unused(gm, chain)
         done += 1
     if done:

@@ -143,6 +143,20 @@ def test_repeats_it_cannot_drop_are_kept(dtype, device, f, kernels):
         assert_close(a, e, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_repeat_as_key_and_value(dtype, device):
+    q, k, _ = qkv(dtype, device)
+
+    def f(q, k):
+        kv = repeat_kv(k * 0.5, 3, "hf")
+        return F.scaled_dot_product_attention(q, kv, kv) * 3.0
+    out, reports, calls = run(f, (q, k))
+    expect_grouped(calls, 2, 6)
+    assert kernel_count(reports) == KERNELS
+    with torch.no_grad():
+        assert_close(out, f(q, k), dtype=dtype)
+
+
 def test_the_option_turns_it_off(device):
     q, k, v = qkv(torch.bfloat16, device)
     torch._dynamo.reset()
