@@ -24,7 +24,9 @@ the CPU's flash), with no mask and no dropout, only its output used (an inferenc
 training forward saves the log-sum-exp for a backward that was traced with the repeated
 heads), and both key and value are such repeats, of the same heads count, that nothing else
 reads. The repeat is matched on its values' shapes, so ``x[:, :, None]`` (slices and an
-unsqueeze) and ``x.unsqueeze(2)`` both count. A key that is not contiguous is copied into
+unsqueeze), ``x.unsqueeze(2)`` and ``x.repeat_interleave(rep, dim=1)`` (gpt-fast's, which
+decomposes to the same) all count; a tile (``x[:, None]``: head h reads x's head h % n) does
+not, nor an expand-and-reshape of one head, which is a view of stride 0 (no copy). A key that is not contiguous is copied into
 contiguous grouped heads (the layout the attention saw before, at 1 / rep of the bytes).
 """
 from __future__ import annotations

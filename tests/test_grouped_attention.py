@@ -32,6 +32,8 @@ def repeat_kv(x, rep, form):
     b, n, s, d = x.shape
     if form == "hf":            # Hugging Face's repeat_kv
         return x[:, :, None, :, :].expand(b, n, rep, s, d).reshape(b, n * rep, s, d)
+    if form == "interleave":    # gpt-fast's
+        return x.repeat_interleave(rep, dim=1)
     return x.unsqueeze(2).expand(b, n, rep, s, d).reshape(b, n * rep, s, d)
 
 
@@ -66,17 +68,17 @@ def expect_grouped(calls, kv_heads, heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("form", ["hf", "unsqueeze"])
+@pytest.mark.parametrize("form", ["hf", "unsqueeze", "interleave"])
 @pytest.mark.parametrize("heads, kv_heads, s", [(6, 2, 9), (4, 1, 41), (8, 4, 1)],
                          ids=["gqa", "mqa", "one-token"])
 def test_attention_reads_grouped_heads(dtype, device, form, heads, kv_heads, s):
-    """With one key/value head (MQA) the repeat is a view of stride 0, no copy: nothing to
-    drop, and it is left as it is."""
+    """With one key/value head (MQA) the expand-and-reshape repeat is a view of stride 0, no
+    copy: nothing to drop, and it is left as it is; repeat_interleave copies even then."""
     q, k, v = qkv(dtype, device, heads=heads, kv_heads=kv_heads, s=s)
     rep = heads // kv_heads
     f = lambda q, k, v: gqa(q, k, v, rep, form)       # noqa: E731
     out, reports, calls = run(f, (q, k, v))
-    expect_grouped(calls, kv_heads if kv_heads > 1 else heads, heads)
+    expect_grouped(calls, kv_heads if kv_heads > 1 or form == "interleave" else heads, heads)
     if device == "cpu" or dtype == torch.bfloat16:      # CPU's flash, and cuDNN / Flash
         assert all(op in GROUPED_KERNELS for op, _ in calls)
     assert kernel_count(reports) == KERNELS
