@@ -17,7 +17,7 @@ reads them. The fused attention kernels that torch picked here take the grouped 
 gives the same values and drops the copies. Llama-style 4 x 1024 (16 query heads, 4 key/value
 heads, head size 128) on the H200: the key and value copies wrote 2 x 16.8 MB a layer, now 2 x
 4.2 MB; cuDNN's attention takes 51.9 us on the grouped heads against 52.0 on the repeated ones,
-bit for bit the same output (session 40, ``scratch/gqa_probe.py``).
+bit for bit the same output (session 40, ``benchmarks/grouped_attention.py``).
 
 Only where it is sure: the attention op is one whose kernel takes grouped heads (cuDNN, Flash,
 the CPU's flash), with no mask and no dropout, only its output used (an inference graph: a
