@@ -223,3 +223,14 @@ def test_strided_grouped_heads_are_copied_contiguous(dtype, device):
     assert kernel_count(reports) == 1           # the two copies, one kernel
     with torch.no_grad():
         assert_close(out, f(q, k, v), dtype=dtype)
+
+
+def test_symbolic_sizes_keep_the_repeats(device):
+    """With symbolic sizes the repeat's shape cannot be compared without guards: left alone."""
+    q, k, v = qkv(torch.float32, device, s=13)
+    with torch.no_grad(), recording() as rec:
+        out, reports = compile_and_run(gqa, (q, k, v), dynamic=True)
+    assert [got for _, got in attention_calls(rec)] == [6]
+    assert kernel_count(reports) == KERNELS
+    with torch.no_grad():
+        assert_close(out, gqa(q, k, v), dtype=torch.float32)
