@@ -1,7 +1,8 @@
 """Backends on one model, round by round, with where each one's GPU time goes (GPU).
 
     python benchmarks/backend_rounds.py TARGET ROUNDS [BACKEND ...]
-    python benchmarks/backend_rounds.py examples/llama.py:bench_4x1024 12 inductor fusion fusion-nogqa
+    python benchmarks/backend_rounds.py examples/llama.py:bench_4x1024 12 \
+        inductor fusion fusion-nogqa
 
 BACKEND: eager, inductor, fusion, or fusion-nogqa (fusion with ``grouped_attention`` off), by
 default inductor and fusion. Interleaved do_bench rounds as ``bench`` times them (three input
@@ -114,5 +115,5 @@ order = list(calls.items())
 for label, seq in (("forward", order), ("reverse", order[::-1])):
     for b, c in seq:
         s = profile(c)
-        print(f"profile ({label}) {b:9s} " + "  ".join(f"{k} {v:8.1f}" for k, v in sorted(s.items()))
-              + f"  total {sum(s.values()):8.1f} us", flush=True)
+        cats = "  ".join(f"{k} {v:8.1f}" for k, v in sorted(s.items()))
+        print(f"profile ({label}) {b:9s} {cats}  total {sum(s.values()):8.1f} us", flush=True)

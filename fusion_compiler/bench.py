@@ -13,6 +13,7 @@ difference from eager. With ``breakdown=True``, also where one call's GPU time g
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -252,13 +253,12 @@ def paired(times: dict) -> dict:
     out = {}
     for f in (b for b in times if b.startswith("fusion")):
         for o in (b for b in times if not b.startswith("fusion")):
-            d = sorted(x - y for x, y in zip(times[f], times[o]))
+            d = [x - y for x, y in zip(times[f], times[o])]
             if not d:
                 continue
-            med = (d[(len(d) - 1) // 2] + d[len(d) // 2]) / 2
-            ref = sorted(times[o])
-            ref = (ref[(len(ref) - 1) // 2] + ref[len(ref) // 2]) / 2
-            out.setdefault(f, {})[o] = {"median_diff_ms": med, "median_diff_frac": med / ref,
+            med = statistics.median(d)
+            out.setdefault(f, {})[o] = {"median_diff_ms": med,
+                                        "median_diff_frac": med / statistics.median(times[o]),
                                         "faster_rounds": sum(x < 0 for x in d), "rounds": len(d)}
     return out
 
@@ -269,9 +269,9 @@ def format_paired(results) -> str:
     for name, rows in results["targets"].items():
         for f, row in rows.items():
             for o, p in row.get("paired", {}).items():
-                lines.append(f"{name}: {f} - {o} per round: median {p['median_diff_ms'] * 1e3:+.1f}us "
-                             f"({p['median_diff_frac']:+.1%}), {f} faster in {p['faster_rounds']} "
-                             f"of {p['rounds']} rounds")
+                lines.append(f"{name}: {f} - {o} per round: median "
+                             f"{p['median_diff_ms'] * 1e3:+.1f}us ({p['median_diff_frac']:+.1%}), "
+                             f"{f} faster in {p['faster_rounds']} of {p['rounds']} rounds")
     return "\n".join(lines)
 
 
@@ -329,8 +329,9 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
         for backend, row in rows.items():
             row.update(profiles[backend]())
     print(format_table(results))
-    if any("paired" in row for rows in results["targets"].values() for row in rows.values()):
-        print(format_paired(results))
+    pairs = format_paired(results)
+    if pairs:
+        print(pairs)
     if breakdown:
         print("\n" + BD.format_tables(results["targets"]))
     if out_path:

@@ -26,8 +26,9 @@ heads), and both key and value are such repeats, of the same heads count, that n
 reads. The repeat is matched on its values' shapes, so ``x[:, :, None]`` (slices and an
 unsqueeze), ``x.unsqueeze(2)`` and ``x.repeat_interleave(rep, dim=1)`` (gpt-fast's, which
 decomposes to the same) all count; a tile (``x[:, None]``: head h reads x's head h % n) does
-not, nor an expand-and-reshape of one head, which is a view of stride 0 (no copy). A key that is not contiguous is copied into
-contiguous grouped heads (the layout the attention saw before, at 1 / rep of the bytes).
+not, nor an expand-and-reshape of one head, which is a view of stride 0 (no copy). A key that
+is not contiguous is copied into contiguous grouped heads (the layout the attention saw before,
+at 1 / rep of the bytes).
 """
 from __future__ import annotations
 

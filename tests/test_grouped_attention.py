@@ -214,7 +214,8 @@ def test_strided_grouped_heads_are_copied_contiguous(dtype, device):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.no_grad(), recording() as rec:
         out, reports = compile_and_run(f, (q, k, v))
-    nodes = [n for t in rec.targets for n in t.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    nodes = [n for t in rec.targets for n in t.gm.graph.nodes
+             if "scaled_dot_product" in str(n.target)]
     assert len(nodes) == 1
     grouped = nodes[0].target in GROUPED_KERNELS
     for arg in nodes[0].args[1:3]:
