@@ -186,6 +186,76 @@ def build_kernel_ir(nodes, inputs, outputs) -> tuple[KernelIR, tuple]:
     return ir, graph_symbols
 
 
+def fx_signature(nodes, inputs, outputs, templates: dict) -> tuple | None:
+    """A hashable summary of everything ``build_kernel_ir`` reads of a group: within one graph,
+    two groups with equal signatures get the same IR, IR text and graph symbols. The fuse
+    search meets the same candidate in every layer of a model; with this it builds and prints
+    its IR once. Sizes are ``TensorInfo.key`` (exact text, in the graph's own symbols: one
+    graph, one name per symbol); each node's part is made once (``templates``, node -> part,
+    for one graph) and the FX nodes it reads are then given by their position in the group,
+    as in the IR. None where build_kernel_ir may refuse the group: it raises, saying why.
+
+    A node the group neither computes nor loads has no position (None): build_kernel_ir
+    raises for it, so such a signature is never one of a built IR."""
+    try:
+        position = {n: i for i, n in enumerate(inputs)}
+        parts = [n.meta["fc_tensor"].key for n in inputs]
+        for node in nodes:
+            template = templates.get(node)
+            if template is None:
+                template = templates[node] = _node_template(node)
+            if template is _NO_TEMPLATE:
+                return None
+            part, reads = template
+            parts.append((part, tuple(position.get(a) for a in reads)))
+            position[node] = len(position)
+        parts.append(tuple((position.get(n), n.meta["fc_tensor"].key) for n in outputs))
+    except KeyError:            # no fc_tensor: build_kernel_ir says what is wrong
+        return None
+    return tuple(parts)
+
+
+_NO_TEMPLATE = object()     # a node with an argument build_kernel_ir refuses
+
+
+def _node_template(node):
+    """(what build_kernel_ir encodes of ``node``, with each FX node it reads as a marker; those
+    FX nodes in order) or _NO_TEMPLATE. Scalars are tagged by type (True == 1 == 1.0 and
+    0.0 == -0.0, which the IR prints apart)."""
+    reads = []
+
+    def part(a):
+        if isinstance(a, torch.fx.Node):
+            reads.append(a)     # a ref where the group has it, else its symbolic int
+            return ("node", a.meta.get("fc_symint"))
+        if isinstance(a, (list, tuple)):
+            return tuple(part(x) for x in a)
+        if isinstance(a, torch.SymInt):
+            return ("symint", a.node.expr)
+        if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+            return str(a)
+        if type(a) is float:
+            return (float, repr(a))
+        if a is None or type(a) in (bool, int, str):
+            return (type(a), a)
+        raise _NoTemplate
+
+    args, kwargs = tuple(node.args), node.kwargs
+    if node.target in CONSTANT_VALUE_ARG:
+        at = CONSTANT_VALUE_ARG[node.target]
+        args, kwargs = args[at:at + 1], {}
+    try:
+        encoded = (node.target, node.meta["fc_tensor"].key, part(args),
+                   tuple(sorted((k, part(v)) for k, v in kwargs.items())))
+    except (_NoTemplate, KeyError):
+        return _NO_TEMPLATE
+    return encoded, tuple(reads)
+
+
+class _NoTemplate(Exception):
+    """An argument ``build_kernel_ir`` refuses."""
+
+
 def canonical_hints(graph_symbols, ir: KernelIR, size_hints: dict) -> dict:
     """Size hints keyed by the IR's canonical symbols (k0, k1, ...)."""
     return {k: size_hints.get(s, 1) for s, k in zip(graph_symbols, ir.symbols)}

@@ -140,7 +140,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         try:
             if _makes_cycle(unit, p, c):
                 raise NotFusable("cycle: another path leads from producer to consumer")
-            check_legal(merged, ctx)
+            check_legal(merged, view, ctx)
         except NotFusable as exc:
             refused.add((p, c))
             ctx.decisions.append(_decision(groups[p], groups[c], merged, -neg_score, False, str(exc)))
@@ -170,7 +170,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for g in groups.values():
         if g.ir is None:
             try:
-                check_legal(g, ctx)
+                check_legal(g, view, ctx)
                 charge_parts(g, ctx)
             except NotFusable as exc:
                 g.error = str(exc)
@@ -231,7 +231,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
             rejected.add((a, b))
             continue
         try:
-            check_legal(merged, ctx)
+            check_legal(merged, view, ctx)
         except NotFusable as exc:
             decision = _decision(groups[a], groups[b], merged, score, False, str(exc))
             decision["kind"] = "horizontal"

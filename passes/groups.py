@@ -56,6 +56,9 @@ class GraphView:
         # ops read it are worked out once (a search asks them for every candidate group)
         self._args: dict = {}
         self._consumers: dict = {}
+        # fx_signature -> (IR, graph symbols, IR text) of the candidates checked (legality.py)
+        self.kernel_irs: dict = {}
+        self.ir_templates: dict = {}     # node -> its part of a signature (fx_signature)
 
     def is_data(self, n) -> bool:
         return self.kind.get(n) in DATA

@@ -67,7 +67,7 @@ def apply(p, consumers, merged, groups, group_of, succ, pred, unit, next_id, ctx
     prod = groups[p]
     try:
         for g in merged:
-            check_legal(g, ctx)
+            check_legal(g, view, ctx)
     except NotFusable as exc:
         ctx.decisions.append(decision(prod, consumers, groups, merged, score, False, str(exc)))
         return next_id, []
