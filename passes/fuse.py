@@ -54,7 +54,7 @@ def _restore(gm, ctx, specs, recomputed_anywhere, decisions, unfused):
     """The groups of an earlier search, analysed again on this graph (no lowering: legality
     was established when they were found; the code generator lowers them again if it must),
     and the stored cost of each data node run alone."""
-    view = GraphView(gm)
+    view = GraphView(gm, ctx.size_hints)
     ctx.unfused_cost.update(unfused)
     view.recomputed_anywhere = set(recomputed_anywhere)
     groups = {s["id"]: FusionGroup(s["id"], frozenset(s["members"]),
@@ -77,7 +77,7 @@ def _restore(gm, ctx, specs, recomputed_anywhere, decisions, unfused):
 
 
 def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    view = GraphView(gm)
+    view = GraphView(gm, ctx.size_hints)
     data = [n for n in gm.graph.nodes if view.is_data(n)]
     group_of, groups = {}, {}
     view.groups = groups

@@ -14,7 +14,7 @@ from ..codegen import launch
 from ..codegen.kernel_ir import CONSTANT_VALUE_ARG
 from ..codegen.lowered import partner_of
 from .classify import GATHERS, OpKind
-from .cost_model import kernel_cost, tensor_bytes
+from .cost_model import NodeSizes, kernel_cost, tensor_bytes
 from .shapes import hint
 
 TRANSPARENT = {OpKind.VIEW, OpKind.BROADCAST}
@@ -46,7 +46,7 @@ class FusionGroup:
 class GraphView:
     """Read-only facts about the graph the pass needs: order, sources through views, users."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, size_hints: dict):
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.kind = {n: n.meta.get("fc_kind", OpKind.OPAQUE) for n in gm.graph.nodes}
         # set by the fuse pass: ops some group computes again, and the current groups
@@ -56,6 +56,7 @@ class GraphView:
         # ops read it are worked out once (a search asks them for every candidate group)
         self._args: dict = {}
         self._consumers: dict = {}
+        self.sizes = NodeSizes(size_hints)     # bytes and FLOPs of each node
         # fx_signature -> (IR, graph symbols, IR text) of the candidates checked (legality.py)
         self.kernel_irs: dict = {}
         self.ir_templates: dict = {}     # node -> its part of a signature (fx_signature)
@@ -138,7 +139,8 @@ def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     group.gathered = _gathered(group, ctx)
     passes, row_inputs, group.form = _looped_passes(group, view, ctx)
     group.cost = kernel_cost(group.inputs, group.outputs, passes, row_inputs, ctx.size_hints,
-                             ctx.profile, group.members, gathered=group.gathered)
+                             ctx.profile, group.members, gathered=group.gathered,
+                             sizes=view.sizes)
     return group
 
 
