@@ -150,7 +150,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         next_id += 1
         for n in merged.members:
             group_of[n] = m
-        nx.relabel_nodes(unit, {p: m, c: m}, copy=False)
+        _merge_units(unit, (p, c), m)
         if unit.has_edge(m, m):
             unit.remove_edge(m, m)
         del groups[p], groups[c]
@@ -253,7 +253,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         next_id += 1
         for n in merged.members:
             group_of[n] = merged.id
-        nx.relabel_nodes(unit, {a: merged.id, b: merged.id}, copy=False)
+        _merge_units(unit, (a, b), merged.id)
         del groups[a], groups[b]
         groups[merged.id] = merged
 
@@ -281,6 +281,21 @@ def _unit_graph(gm, view, group_of) -> nx.DiGraph:
             if unit(a) != unit(n):
                 g.add_edge(unit(a), unit(n))
     return g
+
+
+def _merge_units(unit: nx.DiGraph, old, new) -> None:
+    """Replace groups ``old`` by group ``new``, their edges now its edges: what
+    ``nx.relabel_nodes(unit, dict.fromkeys(old, new), copy=False)`` does, in the same order
+    (the horizontal pass reads a group's successors in order: ties in score go to the first),
+    for a tenth of its time (it walks every node to find ``old``, and builds views of edges).
+    Group ids are ints, added to the graph in increasing order: sorted, they are in the
+    graph's order, which relabel_nodes follows."""
+    for o in sorted(old):
+        unit.add_node(new)
+        edges = [(new, new if t == o else t) for t in unit.successors(o)]
+        edges += [(new if s == o else s, new) for s in unit.predecessors(o)]
+        unit.remove_node(o)
+        unit.add_edges_from(edges)
 
 
 def _makes_cycle(unit: nx.DiGraph, p, c) -> bool:
