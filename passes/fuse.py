@@ -190,7 +190,10 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
     where each part loads what it reads: scored again once legality shows that."""
     rejected = set()        # pairs that do not pay or cannot be one kernel
     scored = {}             # pair -> (score, merged): groups never change once made
+    order = {}              # unit -> topological position; made again after each merge
     while True:
+        if not order:
+            order.update((u, i) for i, u in enumerate(nx.topological_sort(unit)))
         # siblings: groups that read one tensor or results of one group, and groups whose
         # results one op reads (q-norm and k-norm feeding attention: they share no input, but
         # each costs a launch)
@@ -209,7 +212,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
                 if (a, b) in rejected:
                     continue
                 if (a, b) not in scored:
-                    if nx.has_path(unit, a, b) or nx.has_path(unit, b, a):
+                    if _reaches(unit, order, a, b) or _reaches(unit, order, b, a):
                         rejected.add((a, b))
                         continue
                     merged = analyze(FusionGroup(
@@ -227,7 +230,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         score, a, b, merged = best
         # checked again now: merging two other siblings since this pair was scored can have made
         # a path between them (a -> x ... y -> b, x and y merged), and fusing them a cycle
-        if nx.has_path(unit, a, b) or nx.has_path(unit, b, a):
+        if _reaches(unit, order, a, b) or _reaches(unit, order, b, a):
             rejected.add((a, b))
             continue
         try:
@@ -254,6 +257,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         for n in merged.members:
             group_of[n] = merged.id
         _merge_units(unit, (a, b), merged.id)
+        order.clear()
         del groups[a], groups[b]
         groups[merged.id] = merged
 
@@ -296,6 +300,27 @@ def _merge_units(unit: nx.DiGraph, old, new) -> None:
         edges += [(new if s == o else s, new) for s in unit.predecessors(o)]
         unit.remove_node(o)
         unit.add_edges_from(edges)
+
+
+def _reaches(unit: nx.DiGraph, order: dict, a, b) -> bool:
+    """True if a path leads from unit ``a`` to unit ``b``. ``order`` is a topological position
+    of each unit (an edge goes to a greater one), so such a path passes only through units
+    placed between the two: the search stays among them. (nx.has_path searched from both
+    ends, through all that comes after a sibling or before the other: 468 searches on Llama
+    1 x 128 took 34-42 ms; the horizontal pass makes a dozen merges, each sorted again in
+    0.5 ms.)"""
+    end = order[b]
+    if order[a] >= end:
+        return False
+    seen, stack = {a}, [a]
+    while stack:
+        for s in unit.successors(stack.pop()):
+            if s == b:
+                return True
+            if s not in seen and order[s] < end:
+                seen.add(s)
+                stack.append(s)
+    return False
 
 
 def _makes_cycle(unit: nx.DiGraph, p, c) -> bool:
