@@ -67,7 +67,7 @@ def _restore(gm, ctx, specs, recomputed_anywhere, decisions, unfused):
             g.error = s["error"]
         else:
             g.ir, g.graph_symbols = build_kernel_ir(g.nodes, g.inputs, g.outputs)
-            charge_parts(g, ctx)
+            charge_parts(g, view, ctx)
         for n in g.members:
             n.meta["fc_group"] = g.id
     ctx.decisions.extend(decisions)
@@ -171,7 +171,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if g.ir is None:
             try:
                 check_legal(g, view, ctx)
-                charge_parts(g, ctx)
+                charge_parts(g, view, ctx)
             except NotFusable as exc:
                 g.error = str(exc)
         for n in g.members:
@@ -241,7 +241,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
             ctx.decisions.append(decision)
             rejected.add((a, b))
             continue
-        charge_parts(merged, ctx)       # a multi-part kernel: each part loads what it reads
+        charge_parts(merged, view, ctx)       # a multi-part kernel: each part loads what it reads
         score = groups[a].cost.time + groups[b].cost.time - merged.cost.time
         taken = score > 0
         decision = _decision(groups[a], groups[b], merged, score, taken, "fused (siblings)" if taken

@@ -57,6 +57,7 @@ class GraphView:
         self._args: dict = {}
         self._consumers: dict = {}
         self.sizes = NodeSizes(size_hints)     # bytes and FLOPs of each node
+        self._parts: dict = {}                  # id(IR) -> (IR, its multi-part split)
         # fx_signature -> (IR, graph symbols, IR text) of the candidates checked (legality.py)
         self.kernel_irs: dict = {}
         self.ir_templates: dict = {}     # node -> its part of a signature (fx_signature)
@@ -85,6 +86,17 @@ class GraphView:
             else:
                 stack.extend(self.tensor_args(a))
         return out
+
+    def multipart_parts(self, ir):
+        """``codegen.render.multipart_parts(ir)``, once per IR: equal candidates share one IR
+        in a search (legality.py), and a legal group is split again to be costed. Keyed by
+        identity (an IR's hash walks all of it; the entry keeps its IR, so its id stays its)."""
+        from ..codegen.render import multipart_parts
+
+        found = self._parts.get(id(ir))
+        if found is None:
+            found = self._parts[id(ir)] = (ir, multipart_parts(ir))
+        return found[1]
 
     def consumers(self, n) -> tuple:
         """Non-view users of ``n``, following views (an ATen view used by an output counts)."""
@@ -163,20 +175,19 @@ def _gathered(group: FusionGroup, ctx) -> dict:
     return found
 
 
-def charge_parts(group: FusionGroup, ctx) -> None:
+def charge_parts(group: FusionGroup, view: GraphView, ctx) -> None:
     """Correct a legal group's cost (``group.ir`` set) if it is a multi-part kernel
     (codegen/multipart.py): each part loads the inputs it reads, so an input read by k parts
     is read k times (from HBM when those re-reads do not fit in half the L2)."""
-    from ..codegen.render import multipart_parts
-
-    parts = multipart_parts(group.ir)
+    parts = view.multipart_parts(group.ir)
     if parts is None:
         return
     reads = Counter(i for _, ins, _ in parts for i in ins)
     reread = [group.inputs[i] for i, k in reads.items() for _ in range(k - 1)]
     if reread:
         group.cost = kernel_cost(group.inputs, group.outputs, 1, (), ctx.size_hints,
-                                 ctx.profile, group.members, reread, group.gathered)
+                                 ctx.profile, group.members, reread, group.gathered,
+                                 sizes=view.sizes)
 
 
 def _looped_passes(group: FusionGroup, view: GraphView, ctx):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir, canonical_hints, fx_signature
 from ..codegen.lower import Lowering
-from ..codegen.render import multipart_parts
 from .groups import FusionGroup, GraphView
 
 
@@ -23,7 +22,7 @@ def check_legal(group: FusionGroup, view: GraphView, ctx) -> None:
     verdict = _LOWERED.get(key)
     if verdict is None:
         try:
-            parts = multipart_parts(ir)     # independent pointwise parts of different shapes
+            parts = view.multipart_parts(ir)    # independent pointwise parts of other shapes
             for sub in ([ir] if parts is None else [sub for sub, _, _ in parts]):
                 Lowering(sub, hints, persistent=True).run()
             verdict = ""
