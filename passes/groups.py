@@ -56,6 +56,7 @@ class GraphView:
         # ops read it are worked out once (a search asks them for every candidate group)
         self._args: dict = {}
         self._consumers: dict = {}
+        self._reads: dict = {}
         self.sizes = NodeSizes(size_hints)     # bytes and FLOPs of each node
         self._parts: dict = {}                  # id(IR) -> (IR, its multi-part split)
         # fx_signature -> (IR, graph symbols, IR text) of the candidates checked (legality.py)
@@ -86,6 +87,23 @@ class GraphView:
             else:
                 stack.extend(self.tensor_args(a))
         return out
+
+    def reads(self, n) -> tuple:
+        """(views, tensors): the views and expands between ``n`` and the tensors it reads, which
+        a kernel computing ``n`` inlines, and those tensors (not views). The same whatever
+        group ``n`` is in: a member is never a view."""
+        found = self._reads.get(n)
+        if found is None:
+            views, tensors, stack = set(), set(), list(self.tensor_args(n))
+            while stack:
+                a = stack.pop()
+                if not self.is_transparent(a):
+                    tensors.add(a)
+                elif a not in views:
+                    views.add(a)
+                    stack.extend(self.tensor_args(a))
+            found = self._reads[n] = (frozenset(views), frozenset(tensors))
+        return found
 
     def multipart_parts(self, ir):
         """``codegen.render.multipart_parts(ir)``, once per IR: equal candidates share one IR
@@ -125,22 +143,12 @@ def _copy_elsewhere(c, m, members, view) -> bool:
 def analyze(group: FusionGroup, view: GraphView, ctx) -> FusionGroup:
     """Fill in nodes, inputs, outputs and cost of a group."""
     members = group.members
-    nodes, inputs, seen = set(members), [], set()
-
-    def visit(a):
-        if a in nodes or a in seen:
-            return
-        if view.is_transparent(a):
-            nodes.add(a)
-            for b in view.tensor_args(a):
-                visit(b)
-        else:
-            seen.add(a)
-            inputs.append(a)
-
+    nodes, inputs = set(members), set()
     for m in members:
-        for a in view.tensor_args(m):
-            visit(a)
+        views, tensors = view.reads(m)
+        nodes |= views
+        inputs |= tensors
+    inputs -= members
     group.nodes = sorted(nodes, key=view.order.__getitem__)
     group.inputs = sorted(inputs, key=view.order.__getitem__)
     # a recomputed member is computed again by every group that reads it: never written
