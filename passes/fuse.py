@@ -241,7 +241,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
             ctx.decisions.append(decision)
             rejected.add((a, b))
             continue
-        charge_parts(merged, view, ctx)       # a multi-part kernel: each part loads what it reads
+        charge_parts(merged, view, ctx)     # a multi-part kernel: each part loads what it reads
         score = groups[a].cost.time + groups[b].cost.time - merged.cost.time
         taken = score > 0
         decision = _decision(groups[a], groups[b], merged, score, taken, "fused (siblings)" if taken

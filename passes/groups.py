@@ -44,7 +44,8 @@ class FusionGroup:
 
 
 class GraphView:
-    """Read-only facts about the graph the pass needs: order, sources through views, users."""
+    """Read-only facts about the graph the pass needs: order, sources through views, users;
+    and what one search would otherwise work out again for each candidate group."""
 
     def __init__(self, gm: torch.fx.GraphModule, size_hints: dict):
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -57,11 +58,12 @@ class GraphView:
         self._args: dict = {}
         self._consumers: dict = {}
         self._reads: dict = {}
-        self.sizes = NodeSizes(size_hints)     # bytes and FLOPs of each node
-        self._parts: dict = {}                  # id(IR) -> (IR, its multi-part split)
-        # fx_signature -> (IR, graph symbols, IR text) of the candidates checked (legality.py)
-        self.kernel_irs: dict = {}
-        self.ir_templates: dict = {}     # node -> its part of a signature (fx_signature)
+        self.sizes = NodeSizes(size_hints)      # bytes and FLOPs of each node
+        # the kernel IRs of the candidates checked (legality.py): the same candidate recurs in
+        # every layer of a model
+        self.kernel_irs: dict = {}      # fx_signature -> (IR, graph symbols, IR text)
+        self.ir_templates: dict = {}    # node -> its part of a signature (fx_signature)
+        self._parts: dict = {}          # id(IR) -> (IR, its multi-part split)
 
     def is_data(self, n) -> bool:
         return self.kind.get(n) in DATA
@@ -108,7 +110,8 @@ class GraphView:
     def multipart_parts(self, ir):
         """``codegen.render.multipart_parts(ir)``, once per IR: equal candidates share one IR
         in a search (legality.py), and a legal group is split again to be costed. Keyed by
-        identity (an IR's hash walks all of it; the entry keeps its IR, so its id stays its)."""
+        identity (an IR's hash walks all of it); the entry holds its IR, so its id stays its
+        own."""
         from ..codegen.render import multipart_parts
 
         found = self._parts.get(id(ir))
