@@ -42,6 +42,13 @@ def splits(rows: int) -> int:
     return s
 
 
+def mergeable(x: torch.Tensor, first: int, last: int) -> bool:
+    """Whether dimensions ``first`` .. ``last - 1`` of ``x`` (static strides) are a view of one
+    dimension: each one's stride is the next one's times its size, sizes of 1 aside."""
+    return all(x.shape[d] == 1 or x.shape[d + 1] == 1
+               or x.stride(d) == x.stride(d + 1) * x.shape[d + 1] for d in range(first, last - 1))
+
+
 def _leading(node):
     """(x, k, why) where ``node`` is a plain sum of a float tensor ``x`` over its first k
     dimensions (k < rank): ``why`` is None where the rewrite applies (static sizes, the k
@@ -61,8 +68,7 @@ def _leading(node):
     why = None
     if not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
         why = "symbolic sizes (dynamic shapes)"
-    elif any(x.shape[d] != 1 and x.shape[d + 1] != 1
-             and x.stride(d) != x.stride(d + 1) * x.shape[d + 1] for d in range(k - 1)):
+    elif not mergeable(x, 0, k):
         why = "the summed dims are no view of one dimension (their strides)"
     elif math.prod(x.shape[:k]) < 2 or math.prod(x.shape[k:]) < 2:
         why = "a single row or column"

@@ -1,0 +1,67 @@
+"""Reductions over several trailing dimensions as reductions over one (ATen graph, first passes).
+
+Kernels reduce over the last dimension only. A reduction over the last k >= 2 dimensions whose
+strides let them merge into one (``view`` is legal) is rewritten as
+
+    x [*L, *T]  ->  view [*L, prod(T)]  ->  op(-1)  [*L]  (-> view [*L, 1...] for keepdim)
+
+so it becomes a row kernel. ConvNeXt's global pooling, ``mean(x, [-2, -1])`` of a
+channels-last [N, C, H, W], is one: rows of H x W elements lying C apart (strided rows), which
+stayed on ATen behind the residual add that wrote x (Hugging Face ConvNeXt-T, H200: an ATen
+reduce kernel of 7.3 us where Inductor fuses add, mean and the LayerNorm after it).
+Sums, means, amax and amin; float inputs other than fp64, static sizes, no ``dtype=``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .column_sums import mergeable
+from .pad_gemm import _val, emit
+
+aten = torch.ops.aten
+
+OPS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+
+
+def _trailing(node):
+    """(x, k) where ``node`` reduces a float tensor ``x`` over its last k >= 2 dimensions (not
+    all of them), which merge into one; None otherwise."""
+    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2 \
+            or node.kwargs.get("dtype") is not None:
+        return None
+    x, dims = _val(node.args[0]), node.args[1]
+    if x is None or not x.dtype.is_floating_point or x.dtype == torch.float64 \
+            or not isinstance(dims, (list, tuple)):
+        return None
+    if not all(isinstance(s, int) for s in (*x.shape, *x.stride())) or x.numel() == 0:
+        return None         # symbolic sizes are not read: a data-dependent one cannot be
+    nd, k = x.dim(), len(dims)
+    if k < 2 or k >= nd or sorted(d % nd for d in dims) != list(range(nd - k, nd)):
+        return None
+    return (x, k) if mergeable(x, nd - k, nd) else None
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> int:
+    """Rewrite ``gm``'s reductions over several mergeable trailing dimensions, in place; how
+    many."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        found = _trailing(node)
+        if found is None:
+            continue
+        x, k = found
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        lead, mode = list(x.shape[:-k]), x.fake_mode
+        with gm.graph.inserting_before(node):
+            rows = emit(gm, aten.view.default, (node.args[0], lead + [math.prod(x.shape[-k:])]),
+                        mode)
+            out = emit(gm, node.target, (rows, [-1]), mode)
+            if keepdim:
+                out = emit(gm, aten.view.default, (out, lead + [1] * k), mode)
+        out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        done += 1
+    return done

@@ -1,0 +1,57 @@
+"""Reductions over several trailing dimensions (passes/trailing_dims.py): merged into one
+dimension by a view and reduced as rows, fused with their producers; where the dimensions do
+not merge, the reduction stays on ATen. Kernel counts and values against eager, odd sizes,
+each dtype with its tolerance."""
+import pytest
+import torch
+
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+from patterns import randn
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _pool(x, r):
+    """ConvNeXt's end: the residual add, then the global average pool over H and W."""
+    h = x + r
+    return h, h.mean([-2, -1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_channels_last_pool_is_fused_with_its_add(dtype, device):
+    x = randn((3, 5, 7, 9), dtype, device).to(memory_format=torch.channels_last)
+    r = randn((3, 5, 7, 9), dtype, device).to(memory_format=torch.channels_last)
+    (h, pooled), reports = compile_and_run(_pool, (x, r))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    eh, ep = _pool(x, r)
+    assert_close(h, eh, dtype=dtype, name="sum")
+    assert_close(pooled, ep, dtype=dtype, name="pool")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "amax", "amin", "mean"])
+def test_reductions_over_the_last_three_dims(op, dtype, device):
+    x = randn((4, 3, 5, 11), dtype, device)
+    x[1, 2, 4, 10] = float("nan")
+    f = lambda a: getattr(torch, op)(a * 2 - 1, dim=(1, 2, 3), keepdim=True)  # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert out.shape == (4, 1, 1, 1)
+    # a sum over 165 terms in another order than ATen's
+    assert_close(out, f(x), dtype=dtype, rtol=0.02 if dtype != torch.float32 else None)
+
+
+def test_dims_that_do_not_merge_stay_on_aten(device):
+    x = randn((6, 7, 9), torch.float32, device).transpose(1, 2)    # strides (63, 1, 9)
+    f = lambda a: (a + 1).mean([-2, -1])        # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and len(leftover_aten(reports)) == 1
+    assert_close(out, f(x))
+
+
+def test_symbolic_sizes_stay_on_aten(device):
+    x = randn((4, 6, 5), torch.float32, device)
+    f = lambda a: (a * 3).sum([-2, -1])         # noqa: E731
+    out, reports = compile_and_run(f, (x,), dynamic=True)
+    assert len(leftover_aten(reports)) == 1
+    assert_close(out, f(x))
