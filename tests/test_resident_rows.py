@@ -204,11 +204,13 @@ def test_layer_norm_training(small_resident, device):
         assert_close(a, e, atol=1e-4, rtol=1e-4, name=f"grad of {name}")
 
 
-@pytest.mark.parametrize("rows, kind", [(3, "split0"), (132, "resident")])
+@pytest.mark.parametrize("rows, kind", [(3, "split0"), (8, "resident")])
 def test_few_rows_split_many_held(rows, kind, small_resident, device):
     """Fewer rows than SMs split across programs (the split stages); as many as SMs or more
-    are held, a program a row."""
+    are held, a program a row. On a GPU of 8 SMs: 132 rows, the H200's SMs, took 41-55 s in
+    the interpreter."""
     from fusion_compiler.codegen import launch
+    small_resident.setattr(launch, "_sm_count", lambda: 8)
     small_resident.setattr(launch, "SPLIT_RBLOCK", 16)
     small_resident.setattr(launch, "SPLIT_MIN_CHUNK", 32)
     launch.split_settings.cache_clear()
