@@ -26,21 +26,35 @@ OPS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default
 
 
 def _trailing(node):
-    """(x, k) where ``node`` reduces a float tensor ``x`` over its last k >= 2 dimensions (not
-    all of them), which merge into one; None otherwise."""
-    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2 \
-            or node.kwargs.get("dtype") is not None:
+    """(x, k, why) where ``node`` reduces a float tensor ``x`` over its last k >= 2 dimensions
+    (not all of them): ``why`` is None where the rewrite applies, else why not; None where
+    ``node`` is no such reduction."""
+    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2:
         return None
     x, dims = _val(node.args[0]), node.args[1]
     if x is None or not x.dtype.is_floating_point or x.dtype == torch.float64 \
             or not isinstance(dims, (list, tuple)):
         return None
-    if not all(isinstance(s, int) for s in (*x.shape, *x.stride())) or x.numel() == 0:
-        return None         # symbolic sizes are not read: a data-dependent one cannot be
     nd, k = x.dim(), len(dims)
     if k < 2 or k >= nd or sorted(d % nd for d in dims) != list(range(nd - k, nd)):
         return None
-    return (x, k) if mergeable(x, nd - k, nd) else None
+    why = None
+    if node.kwargs.get("dtype") is not None:
+        why = "dtype= given"
+    elif not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
+        why = "symbolic sizes (dynamic shapes)"     # not read: a data-dependent one cannot be
+    elif x.numel() == 0:
+        why = "no elements"
+    elif not mergeable(x, nd - k, nd):
+        why = "the reduced dims are no view of one dimension (their strides)"
+    return x, k, why
+
+
+def why_left(node):
+    """Why a reduction over several trailing dimensions still in the graph was not rewritten
+    (dump's reason for an op left on ATen), or None where ``node`` is no such reduction."""
+    found = _trailing(node)
+    return None if found is None else f"reduction over trailing dims: {found[2] or 'not rewritten'}"
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> int:
@@ -49,9 +63,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         found = _trailing(node)
-        if found is None:
+        if found is None or found[2] is not None:
             continue
-        x, k = found
+        x, k, _ = found
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         lead, mode = list(x.shape[:-k]), x.fake_mode
         with gm.graph.inserting_before(node):

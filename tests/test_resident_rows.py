@@ -207,8 +207,8 @@ def test_layer_norm_training(small_resident, device):
 @pytest.mark.parametrize("rows, kind", [(3, "split0"), (8, "resident")])
 def test_few_rows_split_many_held(rows, kind, small_resident, device):
     """Fewer rows than SMs split across programs (the split stages); as many as SMs or more
-    are held, a program a row. On a GPU of 8 SMs: 132 rows, the H200's SMs, took 41-55 s in
-    the interpreter."""
+    are held, a program a row. Run as on a GPU of 8 SMs (132 rows, the H200's count, took
+    41-55 s in the interpreter)."""
     from fusion_compiler.codegen import launch
     small_resident.setattr(launch, "_sm_count", lambda: 8)
     small_resident.setattr(launch, "SPLIT_RBLOCK", 16)
