@@ -77,7 +77,8 @@ def recorded_launches(launch, inputs, syms) -> list:
     env.update(first_launch=lambda table, key, kernel, grid, *a, **kw: kernel[(grid,)](*a, **kw),
                FAST_ALLOC=True, current_device=lambda: device.index,
                empty_cuda=lambda size, stride, dtype: StandIn(dtype))
-    types.FunctionType(launch.func.__code__, env, "launch")(device, *inputs, *syms)
+    types.FunctionType(launch.func.__code__, env, "launch", launch.func.__defaults__)(
+        device, *inputs, *syms)
     return calls
 
 
