@@ -122,12 +122,13 @@ ZOO = {
     # QuickGELU, x * sigmoid(1.702 x)
     "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", VISION, "pixels",
                     {"layernorm": 5, "silu": 2}),
-    # channels-last LayerNorms between convolutions; the pooling mean over H, W stays on ATen
+    # channels-last LayerNorms between convolutions; the pooling mean over H, W fused with
+    # the residual add (passes/trailing_dims.py)
     "convnext": ("ConvNextConfig", "ConvNextModel", dict(hidden_sizes=[16, 32, 48, 64],
                                                          depths=[1, 1, 1, 1], image_size=32),
                  "pixels", {"layernorm": 9, "gelu": 4}),
     # window partitions: a LayerNorm's output written as windows (statistics and normalisation
-    # in two kernels); the pooling mean over tokens stays on ATen
+    # in two kernels); the pooling mean over the tokens is a row reduction
     "swin": ("SwinConfig", "SwinModel", dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2],
                                              image_size=32, patch_size=4, window_size=4),
              "pixels", {"layernorm": 6, "gelu": 2}),
@@ -159,8 +160,13 @@ NORM_AND_ACTIVATION = {"rsqrt", "var_mean", "native_layer_norm", "erf", "tanh", 
 
 TRAINED = ["llama", "gemma2", "phi3", "gpt_neox", "bloom", "roberta", "t5", "bart", "vit",
            "convnext", "swin"]
-GENERATED = [("llama", "LlamaForCausalLM"), ("gpt_neox", "GPTNeoXForCausalLM"),
-             ("bloom", "BloomForCausalLM"), ("phi3", "Phi3ForCausalLM")]
+# (model, its LM class, dtype): Llama in both dtypes, the others in one each (each case takes
+# 20-40 s in the interpreter, three compiles; the inference tests run every model in both)
+GENERATED = [("llama", "LlamaForCausalLM", torch.float32),
+             ("llama", "LlamaForCausalLM", torch.bfloat16),
+             ("gpt_neox", "GPTNeoXForCausalLM", torch.bfloat16),
+             ("bloom", "BloomForCausalLM", torch.float32),
+             ("phi3", "Phi3ForCausalLM", torch.bfloat16)]
 
 
 def build(name, dtype, model_class=None, dropout=False):
@@ -290,8 +296,8 @@ def test_training_with_dropout_compiles_both_graphs(name):
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("name, lm", GENERATED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, lm, dtype", GENERATED,
+                         ids=[f"{n}-{str(d)[6:]}" for n, _, d in GENERATED])
 def test_greedy_generation_with_kv_cache_matches_eager(name, lm, dtype):
     """Six greedy steps with a KV cache: a graph for the prompt, then shapes that grow each
     step (a dynamic-shape recompile); the tokens and every step's scores as eager's."""
