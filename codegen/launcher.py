@@ -12,8 +12,14 @@ import torch
 
 from . import launch as rules
 from .indexing import print_expr
-from .kernel_ir import KernelIR
+from .kernel_ir import KernelIR, ref_id
 from .lowered import GATHERS
+from .ops import CASTS, LOGICAL, POINTWISE
+
+# ops that read each element of their operands at the index they write: a kernel that reads an
+# input only through these, at the output's shape and strides, reads each element of it before
+# the same program writes that element of the output
+ELEMENTWISE = set(POINTWISE) | set(LOGICAL) | CASTS | {"aten.where.self"}
 
 INDEX_LIMIT = 2**31 - 1
 
@@ -38,6 +44,42 @@ def stream_bytes(ir: KernelIR, shape) -> int:
         if not v.host_scalar and sympy.expand(distinct - numel) == 0:
             total += v.dtype.itemsize
     return total
+
+
+def _refs(arg):
+    if isinstance(arg, (tuple, list)):
+        if ref_id(arg) is not None:
+            yield ref_id(arg)
+        else:
+            for a in arg:
+                yield from _refs(a)
+
+
+def inplace_outputs(ir: KernelIR, shape) -> dict:
+    """{output position: input position} of a pointwise kernel over ``shape``: the outputs it
+    may write over an input instead of a fresh allocation, where the graph has no use of that
+    input after the kernel (passes/inplace.py decides). The input has the output's shape,
+    strides and dtype, no storage offset, and only elementwise ops read it: each program then
+    loads the elements it overwrites before it stores them, and no program reads another's."""
+    readers = {}
+    for op in ir.ops:
+        for i in set(_refs(op.args)) | set(_refs(tuple(v for _, v in op.kwargs))):
+            readers.setdefault(i, set()).add(op.target)
+    found, taken = {}, set()
+    for p, o in enumerate(ir.outputs):
+        out = ir.values[o]
+        if o < len(ir.inputs) or tuple(out.shape) != tuple(shape):
+            continue
+        for j, v in enumerate(ir.inputs):
+            if (j not in taken and not v.host_scalar and v.dtype == out.dtype
+                    and tuple(v.shape) == tuple(out.shape) and tuple(v.stride) == tuple(out.stride)
+                    and sympy.sympify(v.storage_offset) == 0
+                    and readers.get(j, set()) and readers[j] <= ELEMENTWISE
+                    and j not in ir.outputs):
+                found[p] = j
+                taken.add(j)
+                break
+    return found
 
 
 def _max_offset(shape, stride):
@@ -75,15 +117,21 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             lines.append(f"    p{i} = in{i}.data_ptr()")
             addrs.append(f"p{i}")
             spec.append(f"p{i} & 15")
-    outs = []       # fresh allocations: always 16-byte aligned, no key part needed
+    # fresh allocations: always 16-byte aligned, no key part needed; an output written over a
+    # dead input (``r{p}``, inplace_outputs) is that input, with no offset: as aligned
+    reuse = inplace_outputs(ir, shape) if kind == "pointwise" else {}
+    if reuse:
+        lines[0] = lines[0][:-2] + "".join(f", r{p}=None" for p in reuse) + "):"
+    outs = []
     fast, slow = [], []
     for p, o in enumerate(ir.outputs):
         v = ir.values[o]
         size = f"({''.join(py_expr(s) + ', ' for s in v.shape)})"
         stride = f"({''.join(py_expr(s) + ', ' for s in v.stride)})"
-        fast.append(f"        out{p} = empty_cuda({size}, {stride}, {v.dtype})")
-        slow.append(f"        out{p} = torch.empty_strided({size}, {stride}, dtype={v.dtype}, "
-                    f"device=DEVICE)")
+        over = f"r{p} if r{p} is not None else " if p in reuse else ""
+        fast.append(f"        out{p} = {over}empty_cuda({size}, {stride}, {v.dtype})")
+        slow.append(f"        out{p} = {over}torch.empty_strided({size}, {stride}, "
+                    f"dtype={v.dtype}, device=DEVICE)")
         outs.append(f"out{p}")
     lines.append("    dev = current_device()")
     if outs:
@@ -218,4 +266,6 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             lines += ["        else:"] + persistent(12)
     lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
     tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)
+    # the outputs the graph may have written over a dead input: output -> input position
+    tables += f"INPLACE = {reuse!r}\n"
     return tables + "\n\n" + "\n".join(lines)

@@ -58,6 +58,7 @@ class CompileContext:
     compiled: list = field(default_factory=lambda: [0, 0])
     compiles: object = None     # the kernels compiling on threads (generate.KernelCompiles)
     analyzed: object = None     # the graph the groups were decided on (pipeline.compile_graph)
+    inplace: list = field(default_factory=list)     # (group, output, input): passes/inplace.py
 
 
 @contextlib.contextmanager
@@ -178,6 +179,7 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config, pen
     report.ran_kernels = runs_kernels
     report.phase_seconds = ctx.seconds
     report.kernels_by_workers = tuple(ctx.compiled)
+    report.inplace = len(ctx.inplace)
     report.kernels = ctx.kernels
     report.aten_ops = aten_ops if aten_ops is not None else aten_compute_ops(new_gm)
     report.groups_not_generated = [([str(n.target) for n in g.members], g.error)

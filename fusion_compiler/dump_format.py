@@ -170,6 +170,10 @@ def render_table(doc) -> str:
             out += ["", f"computed once, at compile time ({len(s['constants'])} constants, "
                         f"{human_bytes(sum(c['bytes'] for c in s['constants']))}): "
                         + ", ".join(c["node"] for c in s["constants"])]
+        if s.get("inplace"):
+            out += ["", "outputs written over an input that dies with the kernel, no memory "
+                        f"of their own ({len(s['inplace'])}): "
+                        + ", ".join(f"group {w['group']} over {w['over']}" for w in s["inplace"])]
         if s.get("empty"):
             out += ["", f"no elements, allocated instead of computed ({len(s['empty'])}): "
                         + ", ".join(s["empty"])]

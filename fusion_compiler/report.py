@@ -29,6 +29,7 @@ class GraphReport:
     phase_seconds: dict = field(default_factory=dict)   # analyze, sources, triton, autotune, partition
     # Triton kernels compiled at compile time: (by worker processes, all)
     kernels_by_workers: tuple = (0, 0)
+    inplace: int = 0        # kernel outputs written over inputs that die with the kernel
 
     @property
     def num_kernels(self) -> int:

@@ -114,6 +114,7 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "refused": refused, "edges": edges,
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
         "empty": list(ctx.empty_values),
+        "inplace": [{"group": g, "output": p, "over": name} for g, p, name in ctx.inplace],
         "passed_through": list(ctx.passed_through),
         "trimmed_cats": list(ctx.trimmed_cats),
         "totals": {
@@ -131,7 +132,7 @@ def failed(ctx, error: str) -> dict:
     """The summary of a graph the compiler could not compile (it runs on ATen unfused)."""
     return {"kind": ctx.kind, "profile": ctx.profile.name, "error": error, "groups": [],
             "aten_ops": [], "refused": [], "edges": [], "constants": [], "empty": [],
-            "passed_through": [], "trimmed_cats": [],
+            "inplace": [], "passed_through": [], "trimmed_cats": [],
             "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,
                        "bytes_before": 0, "bytes_after": 0,
                        "time_before_us": 0.0, "time_after_us": 0.0}}

@@ -65,6 +65,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             launch = functools.partial(module.launch, device)
             launch.__name__ = launch.__qualname__ = "launch"     # FX names call targets
             launch.__module__ = module.__name__
+            launch.inplace = module.INPLACE     # outputs it may write over a dead input
             ctx.launchers[g.id] = launch
             if ctx.compiles is not None:
                 ctx.compiles.add(g, launch)

@@ -219,3 +219,21 @@ def test_a_column_sum_loads_in_vectors_across_its_rows(cache_dir, tmp_path, devi
     ptx = ptx_of(first, tmp_path)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b16" not in ptx
+
+
+def test_a_kernel_writing_over_its_input_loads_it_before_it_stores(cache_dir, tmp_path, device,
+                                                                   monkeypatch):
+    """passes/inplace.py hands a GELU the GEMM output it reads as the memory of its output:
+    each thread must read its elements of it before it writes them. In the sm_90 code every
+    load from global memory comes before the first store (straight-line code: a thread's
+    accesses to one address stay in program order), and none is a non-coherent ``.nc`` load."""
+    x = torch.randn(64, 96, dtype=torch.bfloat16, device=device)
+    w = torch.randn(96, 256, dtype=torch.bfloat16, device=device)
+    specs = launches(lambda x, w: torch.nn.functional.gelu(x @ w), (x, w), monkeypatch)
+    assert "INPLACE = {0: 0}" in Path(specs[0]["path"]).read_text()
+    ptx = ptx_of(specs, tmp_path)
+    body = [ln.strip() for ln in ptx.splitlines()]
+    loads = [i for i, ln in enumerate(body) if ln.startswith(("ld.global", "@%p")) and "ld.global" in ln]
+    stores = [i for i, ln in enumerate(body) if "st.global" in ln]
+    assert loads and stores and max(loads) < min(stores), (loads, stores)
+    assert not any(".nc" in body[i] for i in loads)

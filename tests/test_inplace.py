@@ -1,0 +1,160 @@
+"""passes/inplace.py and launcher.inplace_outputs: a pointwise kernel writes its output over an
+input that dies with it (the memory a call needs, as Inductor's), and nowhere else."""
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TOL, assert_outputs_close, compile_and_run, kernel_count
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _mlp(x, w1, w2):
+    return F.gelu(x @ w1) @ w2
+
+
+def _weights(dtype, device, k=37, n=75):
+    return (torch.randn(k, n, device=device).to(dtype) / 6,
+            torch.randn(n, k, device=device).to(dtype) / 9)
+
+
+def _inplace(reports):
+    return sum(r.inplace for r in reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_writes_over_the_gemm_output_it_reads(dtype, device):
+    x = torch.randn(13, 37, device=device).to(dtype)
+    w1, w2 = _weights(dtype, device)
+    out, reports = compile_and_run(_mlp, (x, w1, w2))
+    assert_outputs_close(out, _mlp(x, w1, w2))
+    assert kernel_count(reports) == 1
+    assert _inplace(reports) == 1
+    (written,) = reports[0].summary["inplace"]
+    assert written["output"] == 0 and written["over"] == "mm"
+    from fusion_compiler.dump_format import render_table
+    doc = {"target": "t", "graphs": [dict(reports[0].summary, kernels=reports[0].kernels,
+                                          ran_kernels=True)],
+           "options": {"device": "-", "dtype": None, "training": False, "dynamic": False,
+                       "profile": "p", "code": False}}
+    assert f"group {written['group']} over mm" in render_table(doc)
+
+
+def test_the_launcher_returns_the_tensor_it_was_given(device):
+    """What the graph's ``r0=`` does: the output is that input, overwritten with the result;
+    without it, a fresh tensor and the input untouched."""
+    x = torch.randn(13, 37, device=device)
+    w1, w2 = _weights(torch.float32, device)
+    _, reports = compile_and_run(_mlp, (x, w1, w2))
+    path = reports[0].kernels[0]["path"]
+    spec = importlib.util.spec_from_file_location("k", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.INPLACE == {0: 0}
+    h = x @ w1
+    want = F.gelu(h)
+    kept = h.clone()
+    (fresh,) = module.launch(torch.device(device), h)
+    assert fresh.data_ptr() != h.data_ptr() and torch.equal(h, kept)
+    (over,) = module.launch(torch.device(device), h, r0=h)
+    assert over is h
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(over, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_input_used_after_the_kernel_is_not_written(dtype, device):
+    """The GEMM output also feeds an op after the GELU, is a graph output, or has a view read
+    later: each keeps its memory, and every result is eager's."""
+    x = torch.randn(13, 37, device=device).to(dtype)
+    w1, w2 = _weights(dtype, device)
+
+    def later_op(x, w1, w2):
+        a = x @ w1
+        return F.gelu(a) @ w2, a @ w2           # a read by the second GEMM after the kernel
+
+    def returned(x, w1, w2):
+        a = x @ w1
+        return F.gelu(a) @ w2, a
+
+    def view_returned(x, w1, w2):
+        a = x @ w1
+        return F.gelu(a) @ w2, a.view(-1)[::7]
+
+    for fn in (later_op, returned, view_returned):
+        out, reports = compile_and_run(fn, (x, w1, w2))
+        assert_outputs_close(out, fn(x, w1, w2))
+        assert kernel_count(reports) == 1
+        assert _inplace(reports) == 0, fn.__name__
+
+
+def test_graph_inputs_parameters_and_their_views_are_never_written(device):
+    x = torch.randn(13, 37, device=device)
+    lin = torch.nn.Linear(37, 37, device=device).requires_grad_(False)
+
+    def on_input(x):
+        return F.gelu(x) * 3
+
+    def on_view(x):
+        return torch.sigmoid(x.view(37, 13)) + 1
+
+    def on_parameter(x):
+        return x @ torch.tanh(lin.weight)
+
+    for fn in (on_input, on_view, on_parameter):
+        before = (x.clone(), lin.weight.detach().clone())
+        out, reports = compile_and_run(fn, (x,))
+        assert_outputs_close(out, fn(x))
+        assert kernel_count(reports) == 1
+        assert _inplace(reports) == 0, fn.__name__
+        assert torch.equal(x, before[0]) and torch.equal(lin.weight, before[1])
+
+
+def test_inputs_read_otherwise_than_elementwise_are_not_written(device):
+    """A dead GEMM output read transposed, broadcast, or into another dtype: a program would
+    read what another one wrote, or the output does not fit it."""
+    x = torch.randn(37, 37, device=device)
+    w = torch.randn(37, 37, device=device)
+
+    def transposed(x, w):
+        a = x @ w
+        return (torch.relu(a) + a.t()) @ w
+
+    def broadcast(x, w):
+        # a row of the GEMM output read by every [37, 37] block; the ones, a factory kept as a
+        # buffer after the partition, dead after the kernel and of the output's shape: written
+        # over, every later call would read what the one before left there
+        a = x @ w
+        return torch.relu(a[0] + torch.ones(4, 37, 37, device=x.device))
+
+    def narrower(x, w):
+        return torch.sigmoid(x @ w).to(torch.bfloat16) @ w.bfloat16()
+
+    for fn in (transposed, broadcast, narrower):
+        out, reports = compile_and_run(fn, (x, w))
+        assert_outputs_close(out, fn(x, w))
+        assert_outputs_close(torch.compile(fn, backend="fusion")(x, w), fn(x, w))   # again
+        assert kernel_count(reports) == 1
+        assert _inplace(reports) == 0, fn.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_keeps_what_backward_saves(dtype, device):
+    """The forward graph returns the GEMM output for the backward (GELU's derivative reads it):
+    not written over; gradients as eager's."""
+    x = torch.randn(13, 37, device=device).to(dtype)
+    w1, w2 = (w.requires_grad_() for w in _weights(dtype, device))
+    ref = [w.detach().clone().requires_grad_() for w in (w1, w2)]
+    torch._dynamo.reset()
+    import fusion_compiler
+    with fusion_compiler.capture_compiles() as reports:
+        torch.compile(_mlp, backend="fusion")(x, w1, w2).sum().backward()
+    _mlp(x, *ref).sum().backward()
+    atol, rtol = TOL[dtype]
+    for got, want in zip((w1.grad, w2.grad), (ref[0].grad, ref[1].grad)):
+        torch.testing.assert_close(got, want, atol=4 * atol, rtol=4 * rtol)
+    forward = [r for r in reports if r.kind == "forward"]
+    assert forward and forward[0].inplace == 0
+    assert kernel_count(reports, "forward") >= 1
