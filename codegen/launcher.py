@@ -13,7 +13,7 @@ import torch
 from . import launch as rules
 from .indexing import print_expr
 from .kernel_ir import KernelIR, ref_id
-from .lowered import GATHERS
+from .lowered import GATHERS, VIEWS
 from .ops import CASTS, LOGICAL, POINTWISE
 
 # ops that read each element of their operands at the index they write: a kernel that reads an
@@ -56,30 +56,55 @@ def _refs(arg):
 
 
 def inplace_outputs(ir: KernelIR, shape) -> dict:
-    """{output position: input position} of a pointwise kernel over ``shape``: the outputs it
-    may write over an input instead of a fresh allocation, where the graph has no use of that
-    input after the kernel (passes/inplace.py decides). The input has the output's shape,
-    strides and dtype, no storage offset, and only elementwise ops read it: each program then
-    loads the elements it overwrites before it stores them, and no program reads another's."""
+    """{output position: (input position, reshaped)} of a pointwise kernel over ``shape``: the
+    outputs it may write over an input instead of a fresh allocation, where the graph has no
+    use of that input after the kernel (passes/inplace.py decides); ``reshaped``: the output
+    is a view of the input at its shape. The input has the output's dtype and
+    no storage offset, and each program reads the elements of it that it overwrites, before
+    it stores them, and no others: only elementwise ops read it, at the output's shape and
+    strides, or only reshapes to the output's shape do, the input and the output both
+    contiguous (the same linear offsets: a GEMM's [B*H*W, C] output read as [B, H, W, C])."""
     readers = {}
     for op in ir.ops:
         for i in set(_refs(op.args)) | set(_refs(tuple(v for _, v in op.kwargs))):
             readers.setdefault(i, set()).add(op.target)
+    n_in = len(ir.inputs)
+    views_of = {}       # input -> the value ids of the reshapes that read it
+    for k, op in enumerate(ir.ops):
+        if op.target in VIEWS and ref_id(op.args[0]) is not None and ref_id(op.args[0]) < n_in:
+            views_of.setdefault(ref_id(op.args[0]), []).append(n_in + k)
     found, taken = {}, set()
     for p, o in enumerate(ir.outputs):
         out = ir.values[o]
-        if o < len(ir.inputs) or tuple(out.shape) != tuple(shape):
+        if o < n_in or tuple(out.shape) != tuple(shape):
             continue
         for j, v in enumerate(ir.inputs):
-            if (j not in taken and not v.host_scalar and v.dtype == out.dtype
-                    and tuple(v.shape) == tuple(out.shape) and tuple(v.stride) == tuple(out.stride)
-                    and sympy.sympify(v.storage_offset) == 0
-                    and readers.get(j, set()) and readers[j] <= ELEMENTWISE
-                    and j not in ir.outputs):
-                found[p] = j
+            if (j in taken or v.host_scalar or v.dtype != out.dtype or j in ir.outputs
+                    or sympy.sympify(v.storage_offset) != 0 or not readers.get(j)):
+                continue
+            same_layout = (readers[j] <= ELEMENTWISE and tuple(v.shape) == tuple(out.shape)
+                           and tuple(v.stride) == tuple(out.stride))
+            reshaped = (readers[j] <= VIEWS and _contiguous(v.shape, v.stride)
+                        and _contiguous(out.shape, out.stride)
+                        and all(tuple(ir.values[w].shape) == tuple(out.shape)
+                                and readers.get(w) and readers[w] <= ELEMENTWISE
+                                for w in views_of.get(j, [])))
+            if same_layout or reshaped:
+                found[p] = (j, not same_layout)
                 taken.add(j)
                 break
     return found
+
+
+def _contiguous(shape, stride) -> bool:
+    """Row-major, dims of size 1 aside."""
+    expect = sympy.Integer(1)
+    for size, st in reversed(list(zip(shape, stride))):
+        size = sympy.sympify(size)
+        if size != 1 and sympy.expand(sympy.sympify(st) - expect) != 0:
+            return False
+        expect = expect * size
+    return True
 
 
 def _max_offset(shape, stride):
@@ -128,7 +153,10 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         v = ir.values[o]
         size = f"({''.join(py_expr(s) + ', ' for s in v.shape)})"
         stride = f"({''.join(py_expr(s) + ', ' for s in v.stride)})"
-        over = f"r{p} if r{p} is not None else " if p in reuse else ""
+        over = ""
+        if p in reuse:      # the input itself, or a view of it at the output's shape
+            over = f"r{p}.view({size})" if reuse[p][1] else f"r{p}"
+            over += f" if r{p} is not None else "
         fast.append(f"        out{p} = {over}empty_cuda({size}, {stride}, {v.dtype})")
         slow.append(f"        out{p} = {over}torch.empty_strided({size}, {stride}, "
                     f"dtype={v.dtype}, device=DEVICE)")
@@ -267,5 +295,5 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     lines.append(f"    return ({''.join(o + ', ' for o in outs)})")
     tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)
     # the outputs the graph may have written over a dead input: output -> input position
-    tables += f"INPLACE = {reuse!r}\n"
+    tables += f"INPLACE = {({p: j for p, (j, _) in reuse.items()})!r}\n"
     return tables + "\n\n" + "\n".join(lines)

@@ -42,6 +42,29 @@ def test_gelu_writes_over_the_gemm_output_it_reads(dtype, device):
     assert f"group {written['group']} over mm" in render_table(doc)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_gemm_output_read_at_another_shape_is_written_as_that_shape(dtype, device):
+    """A Linear over [B, H, W, C] (ConvNeXt's MLP): the GEMM's [B*H*W, 4C] output is read by
+    the GELU as [B, H, W, 4C]; the kernel writes over it, and its output has the GELU's
+    shape, whether the graph returns it or the next Linear reads it."""
+    lin1 = torch.nn.Linear(19, 75, device=device).to(dtype).requires_grad_(False)
+    lin2 = torch.nn.Linear(75, 19, device=device).to(dtype).requires_grad_(False)
+    x = torch.randn(2, 5, 3, 19, device=device).to(dtype)
+
+    def returned(x):
+        return F.gelu(lin1(x))
+
+    def read_on(x):
+        return lin2(F.gelu(lin1(x)))
+
+    for fn in (returned, read_on):
+        out, reports = compile_and_run(fn, (x,))
+        assert out.shape == fn(x).shape
+        assert_outputs_close(out, fn(x))
+        assert kernel_count(reports) == 1
+        assert _inplace(reports) == 1, fn.__name__
+
+
 def test_the_launcher_returns_the_tensor_it_was_given(device):
     """What the graph's ``r0=`` does: the output is that input, overwritten with the result;
     without it, a fresh tensor and the input untouched."""
