@@ -13,7 +13,7 @@ import torch
 from . import launch as rules
 from .indexing import print_expr
 from .kernel_ir import KernelIR, ref_id
-from .lowered import GATHERS, VIEWS
+from .lowered import GATHERS, VIEWS, flat_args
 from .ops import CASTS, LOGICAL, POINTWISE
 
 # ops that read each element of their operands at the index they write: a kernel that reads an
@@ -46,15 +46,6 @@ def stream_bytes(ir: KernelIR, shape) -> int:
     return total
 
 
-def _refs(arg):
-    if isinstance(arg, (tuple, list)):
-        if ref_id(arg) is not None:
-            yield ref_id(arg)
-        else:
-            for a in arg:
-                yield from _refs(a)
-
-
 def inplace_outputs(ir: KernelIR, shape) -> dict:
     """{output position: (input position, reshaped)} of a pointwise kernel over ``shape``: the
     outputs it may write over an input instead of a fresh allocation, where the graph has no
@@ -64,10 +55,11 @@ def inplace_outputs(ir: KernelIR, shape) -> dict:
     it stores them, and no others: only elementwise ops read it, at the output's shape and
     strides, or only reshapes to the output's shape do, the input and the output both
     contiguous (the same linear offsets: a GEMM's [B*H*W, C] output read as [B, H, W, C])."""
-    readers = {}
+    readers = {}        # value id -> the targets of the ops that read it
     for op in ir.ops:
-        for i in set(_refs(op.args)) | set(_refs(tuple(v for _, v in op.kwargs))):
-            readers.setdefault(i, set()).add(op.target)
+        for a in flat_args(op.args + tuple(v for _, v in op.kwargs)):
+            if ref_id(a) is not None:
+                readers.setdefault(ref_id(a), set()).add(op.target)
     n_in = len(ir.inputs)
     views_of = {}       # input -> the value ids of the reshapes that read it
     for k, op in enumerate(ir.ops):

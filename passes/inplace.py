@@ -4,8 +4,8 @@ A pointwise kernel's output takes a fresh allocation while its inputs are still 
 the MLP of ConvNeXt-T (32 x 224, H200) the 74 MB GEMM output and the GELU's 74 MB output were
 both live: the call's own tensors peaked at 166 MB against Inductor's 111. Where the graph has
 no use of an input after the kernel, the kernel may write an output over it instead
-(``codegen/launcher.py``'s ``inplace_outputs`` says which outputs could: same shape, strides
-and dtype, read only elementwise). This pass, on the partitioned graph, hands such an input to
+(``codegen/launcher.py``'s ``inplace_outputs`` says which outputs could: same dtype, read
+only elementwise at the output's layout, or through a reshape, both contiguous). This pass, on the partitioned graph, hands such an input to
 the launcher as ``r{p}`` where it is dead after the call:
 
 - values that may share memory are taken together: a node with what it may alias (a view, an
