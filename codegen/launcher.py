@@ -88,6 +88,57 @@ def inplace_outputs(ir: KernelIR, shape) -> dict:
     return found
 
 
+def row_inplace_outputs(lk) -> dict:
+    """``inplace_outputs`` of a persistent row kernel (``lk``, its lowering; the launcher has no
+    looped one to choose instead): an output may take the memory of an input of the same
+    dtype, shape and strides (or both contiguous, of as many elements: the output is then a
+    view of the input), no storage offset, whose every load is at the output's store
+    address (a norm's residual sum over the residual, its output over the sum's other
+    operand), where each load of the input comes before each store of the output in the
+    kernel's order and the output's value is computed from the input. A program then reads
+    every element it overwrites, as the value it stores needs it, and no element after."""
+    ir = lk.ir
+    n_in = len(ir.inputs)
+    order = [st for ph in lk.phases for st in ph.outer + ph.body] + list(lk.tail)
+    sources = {}        # value id -> the inputs it is computed from
+
+    def inputs_of(vid):
+        if vid < n_in:
+            return {vid}
+        if vid not in sources:
+            op = ir.ops[vid - n_in]
+            sources[vid] = set().union(*(inputs_of(ref_id(a)) for a in flat_args(
+                op.args + tuple(v for _, v in op.kwargs)) if ref_id(a) is not None))
+        return sources[vid]
+    found, taken = {}, set()
+    for p, o in enumerate(ir.outputs):
+        out = ir.values[o]
+        stores = [i for i, st in enumerate(order) if st[0] == "store" and st[1] == p]
+        offsets = {sympy.expand(order[i][3]) for i in stores}
+        # row-level stores at one address (a per-row value is not the input's shape)
+        if o < n_in or not stores or len(offsets) != 1 or not all(order[i][4] for i in stores):
+            continue
+        (offset,) = offsets
+        for j, v in enumerate(ir.inputs):
+            if (j in taken or v.host_scalar or v.dtype != out.dtype or j in ir.outputs
+                    or sympy.sympify(v.storage_offset) != 0 or j not in inputs_of(o)):
+                continue
+            same_layout = (tuple(v.shape) == tuple(out.shape)
+                           and tuple(v.stride) == tuple(out.stride))
+            # a view of the input at the output's shape (BLOOM's [B*H, S, S] attention
+            # scores under its [B, H, S, S] softmax): the same elements at the same offsets
+            reshaped = (_contiguous(v.shape, v.stride) and _contiguous(out.shape, out.stride)
+                        and sympy.expand(sympy.Mul(*v.shape) - sympy.Mul(*out.shape)) == 0)
+            loads = [i for i, st in enumerate(order) if st[0] == "load" and st[2] == j]
+            if ((same_layout or reshaped) and loads and max(loads) < min(stores)
+                    and all(not order[i][4] and sympy.expand(order[i][3] - offset) == 0
+                            for i in loads)):
+                found[p] = (j, not same_layout)
+                taken.add(j)
+                break
+    return found
+
+
 def _contiguous(shape, stride) -> bool:
     """Row-major, dims of size 1 aside."""
     expect = sympy.Integer(1)
@@ -104,14 +155,16 @@ def _max_offset(shape, stride):
 
 
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
-                    hoists: bool = False, strided: bool = False, partials: int = 0) -> str:
+                    hoists: bool = False, strided: bool = False, partials: int = 0,
+                    reuse=None) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
     persistent row kernel has a HOIST switch, set on small grids; ``strided``: its rows' elements
     lie apart and consecutive rows side by side (``row_settings``; the module's ``STRIDED``);
     ``partials``: the looped kernel's reductions, where its split stages ``split0``... exist
-    (few long rows: ``split_settings``)."""
+    (few long rows: ``split_settings``); ``reuse``: a row kernel's outputs it may write over
+    dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -136,7 +189,9 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             spec.append(f"p{i} & 15")
     # fresh allocations: always 16-byte aligned, no key part needed; an output written over a
     # dead input (``r{p}``, inplace_outputs) is that input, with no offset: as aligned
-    reuse = inplace_outputs(ir, shape) if kind == "pointwise" else {}
+    if kind == "pointwise":
+        reuse = inplace_outputs(ir, shape)
+    reuse = reuse or {}
     if reuse:
         lines[0] = lines[0][:-2] + "".join(f", r{p}=None" for p in reuse) + "):"
     outs = []

@@ -13,7 +13,7 @@ import sympy
 from . import launch as rules
 from .kernel_ir import KernelIR, NotFusable, ref_id
 from .kernel_source import render_kernel
-from .launcher import render_launcher
+from .launcher import render_launcher, row_inplace_outputs
 from .lower import Lowering, iteration_space
 from .lowered import GATHERS
 from .multipart import split
@@ -36,6 +36,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     late = []               # a persistent kernel's loads after its reduction (HOIST)
     strided = False         # its rows' elements lie apart, consecutive rows side by side
     partials = 0            # a looped kernel's reductions: the split stages' partials a row
+    reuse = None            # a persistent kernel's outputs over dead inputs (launcher.py)
     if kind == "pointwise":
         kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
@@ -47,6 +48,8 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             strided = strided_rows(lk)
             kernels.append(("persistent", render_kernel(lk, "_persistent_kernel", late=late,
                                                          strided=strided)))
+            if fits:        # the only kernel: each row read once, before it is written
+                reuse = row_inplace_outputs(lk)
         if not fits:
             lk = Lowering(ir, hints, False).run()
             resident = None
@@ -68,7 +71,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, bool(late), strided,
-                                partials)
+                                partials, reuse)
     if strided:
         launcher = "STRIDED = True\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"

@@ -1,11 +1,14 @@
 """Kernels write over inputs that die with them: the memory a call needs, as Inductor's.
 
-A pointwise kernel's output takes a fresh allocation while its inputs are still alive, so at
-the MLP of ConvNeXt-T (32 x 224, H200) the 74 MB GEMM output and the GELU's 74 MB output were
-both live: the call's own tensors peaked at 166 MB against Inductor's 111. Where the graph has
-no use of an input after the kernel, the kernel may write an output over it instead
-(``codegen/launcher.py``'s ``inplace_outputs`` says which outputs could: same dtype, read
-only elementwise at the output's layout, or through a reshape, both contiguous). This pass, on the partitioned graph, hands such an input to
+A kernel's output takes a fresh allocation while its inputs are still alive, so at the MLP of
+ConvNeXt-T (32 x 224, H200) the 74 MB GEMM output and the GELU's 74 MB output were both live:
+the call's own tensors peaked at 166 MB against Inductor's 111. Where the graph has no use of
+an input after the kernel, the kernel may write an output over it instead
+(``codegen/launcher.py`` says which outputs could: ``inplace_outputs`` of a pointwise kernel,
+same dtype, read only elementwise at the output's layout or through a reshape, both
+contiguous; ``row_inplace_outputs`` of a persistent row kernel, each load of the input at the
+output's address and before its stores: a norm's sum and output over the GEMM outputs it
+adds, a softmax over its scores). This pass, on the partitioned graph, hands such an input to
 the launcher as ``r{p}`` where it is dead after the call:
 
 - values that may share memory are taken together: a node with what it may alias (a view, an

@@ -181,3 +181,89 @@ def test_training_keeps_what_backward_saves(dtype, device):
     forward = [r for r in reports if r.kind == "forward"]
     assert forward and forward[0].inplace == 0
     assert kernel_count(reports, "forward") >= 1
+
+
+def _rms(h, w):
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype) * w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_norm_writes_its_sum_and_its_output_over_the_gemm_outputs_it_adds(dtype, device):
+    """A persistent row kernel (each row loaded once, before anything is stored): add+RMSNorm
+    over two GEMM outputs writes the residual sum over one and the norm over the other, and
+    a LayerNorm, which reads its input in its mean too, writes over the GEMM output it
+    normalises; a softmax over a GEMM output likewise."""
+    x = torch.randn(13, 37, device=device).to(dtype)
+    a, b = (torch.randn(37, 45, device=device).to(dtype) / 6 for _ in range(2))
+    w = torch.randn(45, device=device).to(dtype)
+
+    def add_rmsnorm(x, a, b, w):
+        h = x @ a + x @ b
+        return h @ a.t(), _rms(h, w) @ b.t()
+
+    def layer_norm(x, a, b, w):
+        return F.layer_norm(x @ a, (45,), w, w / 3) @ b.t()
+
+    def softmax(x, a, b, w):
+        return torch.softmax(x @ a, -1) @ b.t()
+
+    for fn, written in ((add_rmsnorm, 2), (layer_norm, 1), (softmax, 1)):
+        out, reports = compile_and_run(fn, (x, a, b, w))
+        assert_outputs_close(out, fn(x, a, b, w))
+        assert kernel_count(reports) == 1, fn.__name__
+        assert _inplace(reports) == written, fn.__name__
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_softmax_writes_over_the_attention_scores_it_reads_at_another_shape(dtype, device):
+    """BLOOM's attention: the [B*H, S, T] scores of a bmm, viewed [B, H, S, T], masked and
+    softmaxed; the kernel writes the probabilities over the scores (its output a view of
+    them at its shape), whether the graph returns them or the next bmm reads them."""
+    q, k, v = (torch.randn(6, s, 16, device=device).to(dtype) for s in (9, 11, 11))
+    mask = torch.rand(9, 11, device=device) < 0.3
+
+    def probs(q, k):
+        s = torch.bmm(q, k.transpose(1, 2)).view(2, 3, 9, 11) * 0.25
+        return torch.softmax(s.masked_fill(mask, -1e4).float(), -1).to(q.dtype)
+
+    def attention(q, k, v):
+        return torch.bmm(probs(q, k).view(6, 9, 11), v)
+
+    for fn, args in ((probs, (q, k)), (attention, (q, k, v))):
+        out, reports = compile_and_run(fn, args)
+        assert out.shape == fn(*args).shape
+        assert_outputs_close(out, fn(*args))
+        assert kernel_count(reports) == 1, fn.__name__
+        assert _inplace(reports) == 1, fn.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_read_elsewhere_or_streamed_are_not_written(dtype, device):
+    """A row kernel's input read at other addresses than its output's (a row rolled, rows of
+    a transpose), an output of one value a row, and a row too long to hold (the looped kernel
+    reads a row twice, and the launcher may pick it): each keeps its memory."""
+    x = torch.randn(13, 37, device=device).to(dtype)
+    a = torch.randn(37, 37, device=device).to(dtype) / 6
+    long = torch.randn(3, 37, device=device).to(dtype)
+    wide = torch.randn(37, 20001, device=device).to(dtype) / 6
+
+    def rolled(x, a):
+        return torch.softmax(torch.roll(x @ a, 5, -1), -1) @ a
+
+    def transposed(x, a):
+        return torch.softmax((x @ a).t(), -1) @ a[:13]
+
+    def per_row(x, a):
+        h = x @ a
+        return h.float().pow(2).mean(-1) @ a[:13].float()
+
+    def looped(x, a):
+        return torch.softmax(x @ wide, -1)
+
+    for fn, args in ((rolled, (x, a)), (transposed, (x, a)), (per_row, (x, a)),
+                     (looped, (long, a))):
+        out, reports = compile_and_run(fn, args)
+        assert_outputs_close(out, fn(*args))
+        assert kernel_count(reports) == 1, fn.__name__
+        assert _inplace(reports) == 0, fn.__name__

@@ -221,19 +221,46 @@ def test_a_column_sum_loads_in_vectors_across_its_rows(cache_dir, tmp_path, devi
     assert "ld.global.b16" not in ptx
 
 
+def _gelu_of_gemm(x, w):
+    return torch.nn.functional.gelu(x @ w)
+
+
+def _rmsnorm_of_gemm_sum(x, a, b):
+    """add+RMSNorm over two GEMM outputs: the sum is written over one, the norm over the other."""
+    h = x @ a + x @ b
+    hf = h.float()
+    return h, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+IN_PLACE = {
+    "gelu": (_gelu_of_gemm, lambda d: [torch.randn(64, 96, dtype=torch.bfloat16, device=d),
+                                       torch.randn(96, 256, dtype=torch.bfloat16, device=d)],
+             "INPLACE = {0: 0}"),
+    # a row of 2048: several warps a row, whose reduction meets in shared memory
+    "add+rmsnorm": (_rmsnorm_of_gemm_sum,
+                    lambda d: [torch.randn(64, 96, dtype=torch.bfloat16, device=d)]
+                    + [torch.randn(96, 2048, dtype=torch.bfloat16, device=d) / 9
+                       for _ in range(2)],
+                    "INPLACE = {0: 0, 1: 1}"),
+}
+
+
+@pytest.mark.parametrize("case", IN_PLACE)
 def test_a_kernel_writing_over_its_input_loads_it_before_it_stores(cache_dir, tmp_path, device,
-                                                                   monkeypatch):
-    """passes/inplace.py hands a GELU the GEMM output it reads as the memory of its output:
-    each thread must read its elements of it before it writes them. In the sm_90 code every
-    load from global memory comes before the first store (straight-line code: a thread's
-    accesses to one address stay in program order), and none is a non-coherent ``.nc`` load."""
-    x = torch.randn(64, 96, dtype=torch.bfloat16, device=device)
-    w = torch.randn(96, 256, dtype=torch.bfloat16, device=device)
-    specs = launches(lambda x, w: torch.nn.functional.gelu(x @ w), (x, w), monkeypatch)
-    assert "INPLACE = {0: 0}" in Path(specs[0]["path"]).read_text()
+                                                                   monkeypatch, case):
+    """passes/inplace.py hands a GELU the GEMM output it reads as the memory of its output, a
+    persistent add+RMSNorm both GEMM outputs it adds: each thread must read its elements of
+    them before it writes them. In the sm_90 code every load from global memory comes before
+    the first store (straight-line code: a thread's accesses to one address stay in program
+    order), and none is a non-coherent ``.nc`` load."""
+    fn, make, inplace = IN_PLACE[case]
+    specs = launches(fn, make(device), monkeypatch)
+    assert inplace in Path(specs[0]["path"]).read_text()
     ptx = ptx_of(specs, tmp_path)
     body = [ln.strip() for ln in ptx.splitlines()]
     loads = [i for i, ln in enumerate(body) if ln.startswith(("ld.global", "@%p")) and "ld.global" in ln]
     stores = [i for i, ln in enumerate(body) if "st.global" in ln]
     assert loads and stores and max(loads) < min(stores), (loads, stores)
     assert not any(".nc" in body[i] for i in loads)
+    if case == "add+rmsnorm":
+        assert "bar.sync" in ptx        # the warps' partial sums meet, as the case intends
