@@ -89,8 +89,8 @@ def inplace_outputs(ir: KernelIR, shape) -> dict:
 
 
 def row_inplace_outputs(lk) -> dict:
-    """``inplace_outputs`` of a persistent row kernel (``lk``, its lowering; the launcher has no
-    looped one to choose instead): an output may take the memory of an input of the same
+    """``inplace_outputs`` of a persistent row kernel (``lk``, its lowering; the launcher hands
+    no input over where it picks a looped kernel instead): an output may take the memory of an input of the same
     dtype, shape and strides (or both contiguous, of as many elements: the output is then a
     view of the input), no storage offset, whose every load is at the output's store
     address (a norm's residual sum over the residual, its output over the sum's other
@@ -192,6 +192,12 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     if kind == "pointwise":
         reuse = inplace_outputs(ir, shape)
     reuse = reuse or {}
+    # a row kernel writes over an input only where the persistent kernel runs (each row read
+    # once): not where row_settings picks the looped one, for a row longer than its block
+    persistent_only = ""
+    if kind == "row" and ("looped" in kernels or "resident" in kernels):
+        block = 1 << (max_persistent_block.bit_length() - 1)     # row_settings' test
+        persistent_only = f" and {py_expr(shape[-1])} <= {block}"
     if reuse:
         lines[0] = lines[0][:-2] + "".join(f", r{p}=None" for p in reuse) + "):"
     outs = []
@@ -203,7 +209,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         over = ""
         if p in reuse:      # the input itself, or a view of it at the output's shape
             over = f"r{p}.view({size})" if reuse[p][1] else f"r{p}"
-            over += f" if r{p} is not None else "
+            over += f" if r{p} is not None{persistent_only} else "
         fast.append(f"        out{p} = {over}empty_cuda({size}, {stride}, {v.dtype})")
         slow.append(f"        out{p} = {over}torch.empty_strided({size}, {stride}, "
                     f"dtype={v.dtype}, device=DEVICE)")

@@ -48,8 +48,9 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             strided = strided_rows(lk)
             kernels.append(("persistent", render_kernel(lk, "_persistent_kernel", late=late,
                                                          strided=strided)))
-            if fits:        # the only kernel: each row read once, before it is written
-                reuse = row_inplace_outputs(lk)
+            # each row read once, before it is written (the launcher hands over no input
+            # where it picks the looped kernel beside it, for a long row)
+            reuse = row_inplace_outputs(lk)
         if not fits:
             lk = Lowering(ir, hints, False).run()
             resident = None

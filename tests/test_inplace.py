@@ -239,6 +239,31 @@ def test_a_softmax_writes_over_the_attention_scores_it_reads_at_another_shape(dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_of_a_dynamic_length_are_written_over_only_where_they_fit(dtype, device):
+    """A row length known only at run time: the module has the persistent kernel and the
+    looped one, which reads each row once a pass and was not checked for writing over them.
+    The launcher writes over the GEMM outputs only for rows the persistent kernel takes (here
+    up to 64 elements); the results are eager's on both sides of that length."""
+    def add_rmsnorm(x, a, b, w):
+        h = x @ a + x @ b
+        return h, _rms(h, w)
+    torch._dynamo.reset()
+    compiled = torch.compile(add_rmsnorm, backend="fusion", dynamic=True,
+                             options={"max_persistent_block": 64})
+    import fusion_compiler
+    with fusion_compiler.capture_compiles() as reports:
+        for n in (45, 101, 64, 65):
+            x = torch.randn(13, 37, device=device).to(dtype)
+            a, b = (torch.randn(37, n, device=device).to(dtype) / 6 for _ in range(2))
+            w = torch.randn(n, device=device).to(dtype)
+            assert_outputs_close(compiled(x, a, b, w), add_rmsnorm(x, a, b, w))
+    assert len(reports) == 1 and kernel_count(reports) == 1
+    assert _inplace(reports) == 2
+    source = open(reports[0].kernels[0]["path"]).read()
+    assert "_looped_kernel" in source and "<= 64 else" in source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_read_elsewhere_or_streamed_are_not_written(dtype, device):
     """A row kernel's input read at other addresses than its output's (a row rolled, rows of
     a transpose), an output of one value a row, and a row too long to hold (the looped kernel
