@@ -17,6 +17,8 @@
 #              240)
 #   zoo        `bench` on $ZOO (benchmarks/hf_zoo.py's architectures; about 70 s each)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
+#   memory     benchmarks/peak_memory.py on each of $MEMORY_TARGETS: static peaks and measured
+#              max_memory_allocated for eager, fusion and Inductor (about 60 s each)
 #   compile    compile_time.py on $COMPILE_TARGETS, with $COMPILE_ARGS (time limit $COMPILE_LIMIT s
 #              a target, 150)
 #   profile    where fusion's cold compile of $PROFILE_TARGET spends its main thread's time
@@ -41,6 +43,7 @@ MODELS=${MODELS:-"examples/llama.py:bench_1x128 examples/llama.py:bench_4x1024 e
 COMPILE_TARGETS=${COMPILE_TARGETS:-"examples/llama.py:bench_1x128"}
 PROFILE_TARGET=${PROFILE_TARGET:-"examples/bert.py:bench_16x256"}
 Z=benchmarks/hf_zoo.py
+MEMORY_TARGETS=${MEMORY_TARGETS:-"$Z:convnext_tiny_32 $Z:t5_base_16x256 $Z:bloom_8x512"}
 ZOO=${ZOO:-"$Z:qwen3_4x1024 $Z:bart_base_16x256 $Z:gemma2_4x512 $Z:convnext_tiny_32 $Z:swin_tiny_32"}
 
 step() {    # step NAME SECONDS COMMAND: the command's output into the log, with its rc and time
@@ -74,6 +77,8 @@ for s in $STEPS; do
         ${BENCH_ARGS:-} -o $OUT/models.json 2>&1 | $quiet" ;;
     zoo) step zoo $(( 90 * $(echo $ZOO | wc -w) )) "fusion-compiler bench $ZOO \
         --compare eager,inductor,fusion -o $OUT/zoo.json 2>&1 | $quiet" ;;
+    memory) for t in $MEMORY_TARGETS; do
+            step memory 120 "python3 benchmarks/peak_memory.py $t 2>&1 | $quiet"; done ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \
         | $quiet" ;;
     compile|profile)
