@@ -6,8 +6,8 @@ import time
 import torch
 
 from . import (classify, column_sums, constant_fold, conv_bias, dedupe, empty_values, fuse,
-               generate, grouped_attention, index_rows, late_decompose, pad_gemm, partition,
-               roll, shapes, trailing_dims)
+               generate, grouped_attention, index_rows, late_decompose, middle_dims, pad_gemm,
+               partition, roll, shapes, trailing_dims)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -22,6 +22,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     index_rows.run(gm, ctx)         # table[idx] as a gather of rows
     column_sums.run(gm, ctx)        # sums over leading dims as split sums of rows
     trailing_dims.run(gm, ctx)      # reductions over several trailing dims as over one
+    middle_dims.run(gm, ctx)        # reductions over one middle dim as over the last
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
     gm = empty_values.run(gm, ctx)  # values with no elements: allocated, not computed

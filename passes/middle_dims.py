@@ -1,0 +1,90 @@
+"""Reductions over one middle dimension as reductions over the last (ATen graph, first passes).
+
+Kernels reduce over the last dimension only. A LayerNorm over the channels of an NCHW tensor
+written out, as the ConvNeXt repository's and Segment Anything's ``LayerNorm2d`` are,
+
+    u = x.mean(1, keepdim=True); s = (x - u).pow(2).mean(1, keepdim=True)
+
+left both means on ATen and the ops around them in two pointwise kernels (six ops, four
+launches). Each such reduction becomes
+
+    x [*L, C, *T]  ->  permute [*L, *T, C]  ->  op(-1)  [*L, *T]  (-> view [*L, 1, *T] for keepdim)
+
+a row kernel over rows of C elements lying prod(T) apart, consecutive rows side by side
+(strided rows, as a LayerNorm over a permuted NCHW tensor: a program reads a run of rows in
+vectors), which takes the producers of x with it. Only where those runs are long enough to
+read in vectors (``RUN`` elements of T at stride 1), or the reduced dimension itself has stride
+1; else ATen's reduction, which picks its own order, stays. Sums, means, amax and amin of
+float inputs other than fp64, static sizes, no ``dtype=``; the first dimension is
+``column_sums``'s, the last needs nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .pad_gemm import _val, emit
+from .trailing_dims import OPS
+
+aten = torch.ops.aten
+
+RUN = 16    # fewest elements of consecutive rows side by side (the dims after the reduced one)
+
+
+def _middle(node):
+    """(x, d, why) where ``node`` reduces a float tensor ``x`` over its dimension d alone, not
+    the first nor the last: ``why`` is None where the rewrite applies, else why not; None
+    where ``node`` is no such reduction."""
+    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2:
+        return None
+    x, dims = _val(node.args[0]), node.args[1]
+    if x is None or not x.dtype.is_floating_point or x.dtype == torch.float64 \
+            or not isinstance(dims, (list, tuple)) or len(dims) != 1 or x.dim() < 3:
+        return None
+    nd = x.dim()
+    d = dims[0] % nd
+    if d in (0, nd - 1):
+        return None
+    why = None
+    if node.kwargs.get("dtype") is not None:
+        why = "dtype= given"
+    elif not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
+        why = "symbolic sizes (dynamic shapes)"
+    elif x.numel() == 0:
+        why = "no elements"
+    elif x.stride(d) != 1 and (x.stride(-1) != 1 or math.prod(x.shape[d + 1:]) < RUN):
+        why = f"its rows lie side by side in runs under {RUN} elements"
+    return x, d, why
+
+
+def why_left(node):
+    """Why a reduction over one middle dimension still in the graph was not rewritten (dump's
+    reason for an op left on ATen), or None where ``node`` is no such reduction."""
+    found = _middle(node)
+    return None if found is None else f"reduction over a middle dim: {found[2] or 'not rewritten'}"
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> int:
+    """Rewrite ``gm``'s reductions over one middle dimension, in place; how many."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        found = _middle(node)
+        if found is None or found[2] is not None:
+            continue
+        x, d, _ = found
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        order = [i for i in range(x.dim()) if i != d] + [d]
+        mode = x.fake_mode
+        with gm.graph.inserting_before(node):
+            rows = emit(gm, aten.permute.default, (node.args[0], order), mode)
+            out = emit(gm, node.target, (rows, [-1]), mode)
+            if keepdim:
+                shape = list(x.shape)
+                shape[d] = 1
+                out = emit(gm, aten.view.default, (out, shape), mode)
+        out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        done += 1
+    return done

@@ -1,0 +1,117 @@
+"""Reductions over one middle dimension (passes/middle_dims.py): reduced as rows of a permuted
+view, fused with their producers; where consecutive rows lie side by side in runs too short to
+read in vectors, the reduction stays on ATen. Kernel counts and values against eager, odd
+sizes, each dtype with its tolerance."""
+import pytest
+import torch
+
+import fusion_compiler
+from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
+from patterns import randn
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _layer_norm_2d(x, w, b):
+    """The ConvNeXt repository's channels-first LayerNorm (Segment Anything's LayerNorm2d)."""
+    u = x.mean(1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)
+    x = (x - u) / torch.sqrt(s + 1e-6)
+    return w[:, None, None] * x + b[:, None, None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_channels_first_layer_norm_takes_two_kernels(dtype, device):
+    """Both means in one row kernel over the channels (rows 7 x 9 = 63 positions side by
+    side), the normalisation in a pointwise kernel; before, the means ran on ATen beside two
+    pointwise kernels."""
+    x = randn((3, 37, 7, 9), dtype, device)
+    w, b = randn((37,), dtype, device), randn((37,), dtype, device)
+    out, reports = compile_and_run(_layer_norm_2d, (x, w, b))
+    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+    assert_close(out, _layer_norm_2d(x, w, b), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "mean", "amax", "amin"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_each_reduction_over_a_middle_dim_is_fused_with_its_producer(op, keepdim, dtype,
+                                                                     device):
+    x = randn((4, 13, 5, 17), dtype, device)
+    x[1, 7, 2, 3] = float("nan")
+    f = lambda a: getattr(torch, op)(a * 2 - 1, 1, keepdim=keepdim)  # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    want = f(x)
+    assert out.shape == want.shape and out.stride() == want.stride()
+    assert_close(out, want, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_channels_last_tensor_reduces_contiguous_rows(dtype, device):
+    """The reduced dimension has stride 1 (channels-last): the permuted rows are contiguous."""
+    x = randn((2, 19, 5, 3), dtype, device).to(memory_format=torch.channels_last)
+    f = lambda a: torch.sigmoid(a).sum(1)       # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(x), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_through_a_channels_first_layer_norm(dtype, device):
+    """The backward graph's sums over the channels (the broadcast means' gradients) are
+    rewritten too; the gradients are eager's."""
+    x = randn((2, 21, 6, 5), dtype, device)
+    w, b = randn((21,), dtype, device), randn((21,), dtype, device)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    ref = [t.clone().requires_grad_() for t in (x, w, b)]
+    g = randn((2, 21, 6, 5), dtype, device)
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(_layer_norm_2d, backend="fusion")(*leaves)
+        (out * g).sum().backward()
+    want = _layer_norm_2d(*ref)
+    (want * g).sum().backward()
+    assert_close(out, want, dtype=dtype)
+    atol, rtol = TOL[dtype]
+    for name, got, exp in zip("xwb", leaves, ref):
+        # sums over 60-126 terms in other orders than eager's
+        assert_close(got.grad, exp.grad, dtype=dtype, atol=8 * atol, rtol=8 * rtol, name=name)
+    assert leftover_aten(reports, "forward") == []
+    # the weight's and the bias's gradients: sums over [0, 2, 3] (no middle dim alone); the
+    # three sums over the channels became row kernels
+    assert leftover_aten(reports, "backward") == ["aten.sum.dim_IntList"] * 2
+    assert kernel_count(reports, "backward") >= 1
+
+
+def _reasons(fn, *args):
+    """The dump's reasons for the ops ``fn`` leaves on ATen."""
+    torch._dynamo.reset()
+    return sorted({a["reason"] for s in fusion_compiler.explain(fn, *args) for a in s["aten_ops"]})
+
+
+def test_rows_side_by_side_in_short_runs_stay_on_aten(device):
+    """Over dim 1 of [6, 40, 3]: consecutive rows lie side by side 3 at a time; ATen's
+    reduction picks its own order there."""
+    x = randn((6, 40, 3), torch.float32, device)
+    f = lambda a: (a + 1).mean(1)               # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and len(leftover_aten(reports)) == 1
+    assert_close(out, f(x))
+    assert _reasons(f, x) == [
+        "reduction over a middle dim: its rows lie side by side in runs under 16 elements"]
+
+
+def test_symbolic_sizes_and_dtypes_stay_on_aten(device):
+    x = randn((4, 6, 20), torch.float32, device)
+    f = lambda a: (a * 3).sum(1)                # noqa: E731
+    out, reports = compile_and_run(f, (x,), dynamic=True)
+    assert len(leftover_aten(reports)) == 1
+    assert_close(out, f(x))
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(x, 2)
+    assert _reasons(f, x) == ["reduction over a middle dim: symbolic sizes (dynamic shapes)"]
+    g = lambda a: (a * 3).sum(1, dtype=torch.float64).float()       # noqa: E731
+    out, reports = compile_and_run(g, (x,))
+    assert_close(out, g(x))
+    assert any("dtype=" in r for r in _reasons(g, x))
