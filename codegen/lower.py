@@ -27,7 +27,7 @@ import torch
 from . import ops
 from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, print_expr,
                        roll_index, view_index)
-from .row_outputs import ROLL, layout_chain, pulled, push_index, reshaped
+from .row_outputs import ROLL, alongside, layout_chain, pulled, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
 from .lowered import (COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args,
@@ -60,7 +60,8 @@ def iteration_space(ir: KernelIR):
         allowed = {shape, rows + (sympy.Integer(1),), rows}
         bad = {ir.values[o].shape for o in ir.outputs
                if ir.values[o].shape not in allowed and layout_chain(ir, o, shape) is None
-               and pulled(ir, o, shape) is None and not reshaped(ir, o, shape)}
+               and pulled(ir, o, shape) is None and not reshaped(ir, o, shape)
+               and alongside(ir, o, shape) is None}
         if bad:
             raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
                              f"per-row of the reduction over {shape}")
@@ -136,6 +137,15 @@ class Lowering(PointwiseLowering):
                     chain := pulled(self.ir, vid, self.shape)) is not None:
                 index = full
                 for op, rid in reversed(chain):     # back to vid, as the rows read it
+                    index = self._source_index(op, rid, index)
+                var = self.value(vid, index, frozenset())
+                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            elif row and val.shape != self.shape and (
+                    chain := alongside(self.ir, vid, self.shape)) is not None:
+                # where a value of its shape is pulled (through views alone, where a reshaped
+                # output is too: the same index)
+                index = full
+                for op, rid in reversed(chain):
                     index = self._source_index(op, rid, index)
                 var = self.value(vid, index, frozenset())
                 self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))

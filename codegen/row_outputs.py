@@ -9,7 +9,10 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
   each element of the iteration from, where the reduction computed it;
 - ``reshaped``: a value of as many elements in another shape, computed by pointwise ops from
   the rows reshaped (GroupNorm's [N, C, H, W] output of its [N, groups, C/groups * HxW] rows),
-  computed and stored at the index the reshape gives each element of the iteration.
+  computed and stored at the index the reshape gives each element of the iteration;
+- ``alongside``: a value of the shape of one that is ``pulled``, computed and stored at the
+  index that one's chain gives each element of the iteration (a channels-first LayerNorm's
+  output beside the input whose permuted view the rows are).
 """
 from __future__ import annotations
 
@@ -64,6 +67,24 @@ def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
             return False
         stack.extend(r for r in map(ref_id, flat_args(op.args)) if r is not None)
     return True
+
+
+def alongside(ir: KernelIR, vid: int, shape: tuple):
+    """A chain as ``pulled``'s from another value of ``vid``'s shape to the rows, or None:
+    ``vid`` is then evaluated and stored at the index that chain pulls each element of the
+    iteration back to, which walks its shape once (a channels-first LayerNorm's [N, C, H, W]
+    output, computed from x and the means over ``permute(x)``'s rows: passes/middle_dims.py).
+    Any op may compute it there; a reduction read at another row than its own is refused
+    where it is read (``Lowering._reduction_value``)."""
+    out = ir.values[vid].shape
+    if not out or tuple(out) == tuple(shape):
+        return None
+    for v, value in enumerate(ir.values):
+        if v != vid and tuple(value.shape) == tuple(out):
+            chain = pulled(ir, v, shape)
+            if chain is not None:
+                return chain
+    return None
 
 
 def pulled(ir: KernelIR, vid: int, shape: tuple):

@@ -166,6 +166,13 @@ def _op(node) -> str:
     return op_name(node.target) if node.op == "call_function" else ""
 
 
+def _viewed(node):
+    """The node ``node`` is a view of (through views, unsqueezes and expands), or itself."""
+    while _op(node) in ("view", "_unsafe_view", "reshape", "unsqueeze", "expand"):
+        node = node.args[0]
+    return node
+
+
 def _gate(group) -> str | None:
     """"swiglu" where a sigmoid's result multiplies a value it was not computed from (SwiGLU's
     up projection, apart or a half of one tensor), "silu" where it multiplies its own input
@@ -217,11 +224,13 @@ def label(group) -> str:
     parts = []
     if {"amax", "exp", "sum"} <= ops:
         parts.append("softmax")
-    elif "rsqrt" in ops and reductions:
-        # LayerNorm subtracts the row's mean; RMSNorm does not (a group may hold two norms)
-        centred = any(_op(n) == "sub" and any(_op(a) == "mean" for a in n.all_input_nodes)
+    elif ("rsqrt" in ops or "sqrt" in ops) and reductions:
+        # LayerNorm subtracts the row's mean; RMSNorm does not (a group may hold two norms).
+        # Written out, a LayerNorm may divide by sqrt (the ConvNeXt repository's LayerNorm2d)
+        centred = any(_op(n) == "sub" and any(_op(_viewed(a)) == "mean" for a in n.all_input_nodes)
                       for n in group.members)
-        parts.append("layernorm" if centred else "rmsnorm")
+        if "rsqrt" in ops or centred:
+            parts.append("layernorm" if centred else "rmsnorm")
     if "cat" in ops and "neg" in ops:
         parts.append("rope")
     gate = _gate(group) if "sigmoid" in ops and "mul" in ops else None

@@ -21,14 +21,16 @@ def _layer_norm_2d(x, w, b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_channels_first_layer_norm_takes_two_kernels(dtype, device):
-    """Both means in one row kernel over the channels (rows 7 x 9 = 63 positions side by
-    side), the normalisation in a pointwise kernel; before, the means ran on ATen beside two
+def test_a_channels_first_layer_norm_is_one_kernel(dtype, device):
+    """Both means and the normalisation in one row kernel over the channels (rows of 37 lying
+    63 apart, 7 x 9 positions side by side), which stores the [N, C, H, W] output where it
+    reads x (codegen/row_outputs.alongside); before, the means ran on ATen beside two
     pointwise kernels."""
     x = randn((3, 37, 7, 9), dtype, device)
     w, b = randn((37,), dtype, device), randn((37,), dtype, device)
     out, reports = compile_and_run(_layer_norm_2d, (x, w, b))
-    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert [k["label"] for k in reports[0].kernels] == ["layernorm"]
     assert_close(out, _layer_norm_2d(x, w, b), dtype=dtype)
 
 
@@ -45,6 +47,28 @@ def test_each_reduction_over_a_middle_dim_is_fused_with_its_producer(op, keepdim
     want = f(x)
     assert out.shape == want.shape and out.stride() == want.stride()
     assert_close(out, want, dtype=dtype)
+
+
+CHANNEL_OPS = {
+    "softmax": (lambda x: torch.softmax(x, 1), "softmax"),
+    "log_softmax": (lambda x: torch.log_softmax(x * 2, 1), "softmax"),
+    "rmsnorm": (lambda x: x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6), "rmsnorm"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CHANNEL_OPS)
+def test_row_ops_over_the_channels_are_one_kernel(case, dtype, device):
+    """A softmax, a log-softmax and an RMSNorm over dim 1 of [N, C, H, W] (a segmentation
+    head's softmax over classes): each one kernel, its output stored at the [N, C, H, W]
+    positions the rows read."""
+    fn, label = CHANNEL_OPS[case]
+    x = randn((2, 19, 5, 7), dtype, device)
+    out, reports = compile_and_run(fn, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert [k["label"] for k in reports[0].kernels] == [label]
+    assert out.stride() == fn(x).stride()
+    assert_close(out, fn(x), dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
