@@ -139,3 +139,21 @@ def test_symbolic_sizes_and_dtypes_stay_on_aten(device):
     out, reports = compile_and_run(g, (x,))
     assert_close(out, g(x))
     assert any("dtype=" in r for r in _reasons(g, x))
+
+
+def test_the_benchmark_target_is_one_kernel_over_the_convolution(device):
+    """benchmarks/channels_first.py's small target, as `dump` and `bench` load it: the
+    LayerNorm2d after a 1x1 convolution, one kernel written over the convolution's output."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "benchmarks" / "channels_first.py"
+    spec = importlib.util.spec_from_file_location("channels_first", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, inputs = module.layer_norm_2d_small(device, torch.float32)
+    with torch.no_grad():
+        out, reports = compile_and_run(model, inputs)
+        want = model(*inputs)
+    assert kernel_count(reports) == 1 and [k["label"] for k in reports[0].kernels] == ["layernorm"]
+    assert reports[0].inplace == 1
+    assert_close(out, want)
