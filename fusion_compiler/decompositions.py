@@ -7,7 +7,8 @@ pointwise ops and last-dim reductions the code generator fuses:
     gelu, silu, sigmoid/tanh backward -> pointwise (computed in fp32 for bf16/fp16 inputs)
     _softmax, _log_softmax (+ backward) -> amax, sub, exp, sum, div
     split, split_with_sizes           -> slices (views)
-    var_mean.correction               -> our form below: mean, then squared deviations (no prims)
+    var_mean.correction, var.correction -> our form below: mean, then squared deviations (no prims)
+    linalg_vector_norm (2-norm)       -> sqrt of a sum of squares (fp32 for bf16/fp16)
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
 
@@ -72,6 +73,26 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
     return var.to(x.dtype), mean.to(x.dtype)
 
 
+def var_correction(x, dim=None, *, correction=None, keepdim=False):
+    """var (and std, whose core decomposition is a var's sqrt) as var_mean's form above."""
+    return var_mean_correction(x, dim, correction=correction, keepdim=keepdim)[0]
+
+
+def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """The 2-norm of float rows (``F.normalize``, a cosine similarity) as the square root of a
+    sum of squares, in fp32 for bf16/fp16 as ATen's kernel accumulates, rounded once. Other
+    orders, ``dtype=``, complex or integer inputs and norms over every dimension keep ATen's
+    op (NotImplemented: traced as it is)."""
+    if (ord != 2 or dtype is not None or dim is None or not x.dtype.is_floating_point
+            or x.dtype == torch.float64 or x.dim() == 0):
+        return NotImplemented
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if not dims:
+        return NotImplemented
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return torch.sqrt(torch.sum(xf * xf, dims, keepdim=keepdim)).to(x.dtype)
+
+
 def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
     """GroupNorm as one row reduction over x viewed [N, groups, C/groups * HxW]: the mean, then
     the variance (fp32 for bf16/fp16; a looped kernel takes both in one pass, codegen/
@@ -124,6 +145,8 @@ def _table() -> dict:
              and op.overloadpacket is not aten.embedding_dense_backward}
     table.update(get_decompositions(_ops(_EXTRA)))
     table[aten.var_mean.correction] = var_mean_correction
+    table[aten.var.correction] = var_correction
+    table[aten.linalg_vector_norm.default] = linalg_vector_norm
     table[aten.native_group_norm.default] = native_group_norm
     return table
 

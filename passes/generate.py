@@ -226,10 +226,13 @@ def label(group) -> str:
         parts.append("softmax")
     elif ("rsqrt" in ops or "sqrt" in ops) and reductions:
         # LayerNorm subtracts the row's mean; RMSNorm does not (a group may hold two norms).
-        # Written out, a LayerNorm may divide by sqrt (the ConvNeXt repository's LayerNorm2d)
+        # Written out, a LayerNorm may divide by a sqrt (the ConvNeXt repository's
+        # LayerNorm2d), where a std alone takes one
         centred = any(_op(n) == "sub" and any(_op(_viewed(a)) == "mean" for a in n.all_input_nodes)
                       for n in group.members)
-        if "rsqrt" in ops or centred:
+        divided = any(_op(n) == "div" and len(n.args) > 1 and isinstance(n.args[1], torch.fx.Node)
+                      and _op(_viewed(n.args[1])) == "sqrt" for n in group.members)
+        if "rsqrt" in ops or (centred and divided):
             parts.append("layernorm" if centred else "rmsnorm")
     if "cat" in ops and "neg" in ops:
         parts.append("rope")
