@@ -81,6 +81,12 @@ def kernel_count(reports, kind=None):
     return sum(r.num_kernels for r in reports if kind is None or r.kind == kind)
 
 
+def aten_reasons(fn, *args) -> list:
+    """The dump's reasons, sorted, for the ops ``fn`` leaves on ATen (``explain``)."""
+    torch._dynamo.reset()
+    return sorted({a["reason"] for s in fusion_compiler.explain(fn, *args) for a in s["aten_ops"]})
+
+
 def leftover_aten(reports, kind=None):
     return [op for r in reports if kind is None or r.kind == kind for op in r.aten_ops]
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_compiler.passes import column_sums
-from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import TOL, assert_close, aten_reasons, compile_and_run, kernel_count, leftover_aten
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -189,17 +189,11 @@ def test_dump_labels_the_column_sums(device):
 def test_dump_says_why_a_sum_over_leading_dims_stays_on_aten(device, monkeypatch):
     """An op left on ATen names its reason: a sum over dims that are no view of one, or with the
     rewrite turned off; a mean over the leading dims is a reduction not over the last one."""
-    import fusion_compiler
     g = randn((8, 300, 16), torch.float32, device).transpose(0, 1)
     x = randn((300, 16), torch.float32, device)
-
-    def reasons(fn, *args):
-        torch._dynamo.reset()
-        found = fusion_compiler.explain(fn, *args)
-        return sorted({a["reason"] for s in found for a in s["aten_ops"]})
-    assert reasons(lambda g: (g * 2).sum([0, 1]), g) == [
+    assert aten_reasons(lambda g: (g * 2).sum([0, 1]), g) == [
         "sum over leading dims: the summed dims are no view of one dimension (their strides)"]
-    assert reasons(lambda x: (x * 2).mean(0), x) == ["reduction not over the last dimension"]
+    assert aten_reasons(lambda x: (x * 2).mean(0), x) == ["reduction not over the last dimension"]
     monkeypatch.setenv("FUSION_COMPILER_COLUMN_SUMS", "0")
-    assert reasons(lambda x: (x * 2).sum(0), x) == [
+    assert aten_reasons(lambda x: (x * 2).sum(0), x) == [
         "sum over leading dims: column sums are off (FUSION_COMPILER_COLUMN_SUMS=0)"]

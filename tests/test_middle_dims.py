@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fusion_compiler
-from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import (TOL, assert_close, aten_reasons, compile_and_run, kernel_count,
+                     leftover_aten)
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -108,12 +109,6 @@ def test_training_through_a_channels_first_layer_norm(dtype, device):
     assert kernel_count(reports, "backward") >= 1
 
 
-def _reasons(fn, *args):
-    """The dump's reasons for the ops ``fn`` leaves on ATen."""
-    torch._dynamo.reset()
-    return sorted({a["reason"] for s in fusion_compiler.explain(fn, *args) for a in s["aten_ops"]})
-
-
 def test_rows_side_by_side_in_short_runs_stay_on_aten(device):
     """Over dim 1 of [6, 40, 3]: consecutive rows lie side by side 3 at a time; ATen's
     reduction picks its own order there."""
@@ -122,7 +117,7 @@ def test_rows_side_by_side_in_short_runs_stay_on_aten(device):
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) == 1 and len(leftover_aten(reports)) == 1
     assert_close(out, f(x))
-    assert _reasons(f, x) == [
+    assert aten_reasons(f, x) == [
         "reduction over a middle dim: its rows lie side by side in runs under 16 elements"]
 
 
@@ -134,11 +129,11 @@ def test_symbolic_sizes_and_dtypes_stay_on_aten(device):
     assert_close(out, f(x))
     torch._dynamo.mark_dynamic(x, 0)
     torch._dynamo.mark_dynamic(x, 2)
-    assert _reasons(f, x) == ["reduction over a middle dim: symbolic sizes (dynamic shapes)"]
+    assert aten_reasons(f, x) == ["reduction over a middle dim: symbolic sizes (dynamic shapes)"]
     g = lambda a: (a * 3).sum(1, dtype=torch.float64).float()       # noqa: E731
     out, reports = compile_and_run(g, (x,))
     assert_close(out, g(x))
-    assert any("dtype=" in r for r in _reasons(g, x))
+    assert any("dtype=" in r for r in aten_reasons(g, x))
 
 
 def test_the_benchmark_target_is_one_kernel_over_the_convolution(device):

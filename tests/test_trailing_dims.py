@@ -5,7 +5,7 @@ each dtype with its tolerance."""
 import pytest
 import torch
 
-from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import assert_close, aten_reasons, compile_and_run, kernel_count, leftover_aten
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -41,20 +41,13 @@ def test_reductions_over_the_last_three_dims(op, dtype, device):
     assert_close(out, f(x), dtype=dtype, rtol=0.02 if dtype != torch.float32 else None)
 
 
-def _reasons(fn, *args):
-    """The dump's reasons for the ops ``fn`` leaves on ATen."""
-    import fusion_compiler
-    torch._dynamo.reset()
-    return sorted({a["reason"] for s in fusion_compiler.explain(fn, *args) for a in s["aten_ops"]})
-
-
 def test_dims_that_do_not_merge_stay_on_aten(device):
     x = randn((6, 7, 9), torch.float32, device).transpose(1, 2)    # strides (63, 1, 9)
     f = lambda a: (a + 1).mean([-2, -1])        # noqa: E731
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) == 1 and len(leftover_aten(reports)) == 1
     assert_close(out, f(x))
-    assert _reasons(f, x) == [
+    assert aten_reasons(f, x) == [
         "reduction over trailing dims: the reduced dims are no view of one dimension (their strides)"]
 
 
@@ -66,4 +59,4 @@ def test_symbolic_sizes_stay_on_aten(device):
     assert_close(out, f(x))
     torch._dynamo.mark_dynamic(x, 0)
     torch._dynamo.mark_dynamic(x, 1)
-    assert _reasons(f, x) == ["reduction over trailing dims: symbolic sizes (dynamic shapes)"]
+    assert aten_reasons(f, x) == ["reduction over trailing dims: symbolic sizes (dynamic shapes)"]
