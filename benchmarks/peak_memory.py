@@ -18,16 +18,13 @@ import sys
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from fusion_compiler import backend
 
 
-def _tensors(v):
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, (tuple, list)):
-        for x in v:
-            yield from _tensors(x)
+def _tensors(v) -> list:
+    return [t for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
 
 
 def _key(node, alias):

@@ -71,8 +71,7 @@ def inplace_outputs(ir: KernelIR, shape) -> dict:
         if o < n_in or tuple(out.shape) != tuple(shape):
             continue
         for j, v in enumerate(ir.inputs):
-            if (j in taken or v.host_scalar or v.dtype != out.dtype or j in ir.outputs
-                    or sympy.sympify(v.storage_offset) != 0 or not readers.get(j)):
+            if j in taken or not _may_hold(ir, j, out) or not readers.get(j):
                 continue
             same_layout = (readers[j] <= ELEMENTWISE and tuple(v.shape) == tuple(out.shape)
                            and tuple(v.stride) == tuple(out.stride))
@@ -120,8 +119,7 @@ def row_inplace_outputs(lk) -> dict:
             continue
         (offset,) = offsets
         for j, v in enumerate(ir.inputs):
-            if (j in taken or v.host_scalar or v.dtype != out.dtype or j in ir.outputs
-                    or sympy.sympify(v.storage_offset) != 0 or j not in inputs_of(o)):
+            if j in taken or not _may_hold(ir, j, out) or j not in inputs_of(o):
                 continue
             same_layout = (tuple(v.shape) == tuple(out.shape)
                            and tuple(v.stride) == tuple(out.stride))
@@ -137,6 +135,14 @@ def row_inplace_outputs(lk) -> dict:
                 taken.add(j)
                 break
     return found
+
+
+def _may_hold(ir: KernelIR, j: int, out) -> bool:
+    """Whether input ``j`` of ``ir`` could hold output value ``out``: a tensor of its dtype,
+    with no storage offset, that the kernel does not return as well."""
+    v = ir.inputs[j]
+    return (not v.host_scalar and v.dtype == out.dtype and j not in ir.outputs
+            and sympy.sympify(v.storage_offset) == 0)
 
 
 def _contiguous(shape, stride) -> bool:

@@ -24,8 +24,7 @@ import math
 
 import torch
 
-from .pad_gemm import _val, emit
-from .trailing_dims import OPS
+from .trailing_dims import as_rows, reduced, unfit
 
 aten = torch.ops.aten
 
@@ -36,24 +35,15 @@ def _middle(node):
     """(x, d, why) where ``node`` reduces a float tensor ``x`` over its dimension d alone, not
     the first nor the last: ``why`` is None where the rewrite applies, else why not; None
     where ``node`` is no such reduction."""
-    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2:
+    x = reduced(node)
+    if x is None or len(node.args[1]) != 1 or x.dim() < 3:
         return None
-    x, dims = _val(node.args[0]), node.args[1]
-    if x is None or not x.dtype.is_floating_point or x.dtype == torch.float64 \
-            or not isinstance(dims, (list, tuple)) or len(dims) != 1 or x.dim() < 3:
+    d = node.args[1][0] % x.dim()
+    if d in (0, x.dim() - 1):
         return None
-    nd = x.dim()
-    d = dims[0] % nd
-    if d in (0, nd - 1):
-        return None
-    why = None
-    if node.kwargs.get("dtype") is not None:
-        why = "dtype= given"
-    elif not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
-        why = "symbolic sizes (dynamic shapes)"
-    elif x.numel() == 0:
-        why = "no elements"
-    elif x.stride(d) != 1 and (x.stride(-1) != 1 or math.prod(x.shape[d + 1:]) < RUN):
+    why = unfit(node, x)
+    if why is None and x.stride(d) != 1 and (x.stride(-1) != 1
+                                             or math.prod(x.shape[d + 1:]) < RUN):
         why = f"its rows lie side by side in runs under {RUN} elements"
     return x, d, why
 
@@ -73,18 +63,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         if found is None or found[2] is not None:
             continue
         x, d, _ = found
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        order = [i for i in range(x.dim()) if i != d] + [d]
-        mode = x.fake_mode
-        with gm.graph.inserting_before(node):
-            rows = emit(gm, aten.permute.default, (node.args[0], order), mode)
-            out = emit(gm, node.target, (rows, [-1]), mode)
-            if keepdim:
-                shape = list(x.shape)
-                shape[d] = 1
-                out = emit(gm, aten.view.default, (out, shape), mode)
-        out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
+        kept = list(x.shape)
+        kept[d] = 1
+        as_rows(gm, node, aten.permute.default,
+                [i for i in range(x.dim()) if i != d] + [d], kept)
         done += 1
     return done

@@ -25,27 +25,59 @@ aten = torch.ops.aten
 OPS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 
 
+def reduced(node):
+    """The float tensor (not fp64) a sum, mean, amax or amin ``node`` reduces over a list of
+    dims, or None."""
+    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2:
+        return None
+    x = _val(node.args[0])
+    if x is None or not x.dtype.is_floating_point or x.dtype == torch.float64 \
+            or not isinstance(node.args[1], (list, tuple)):
+        return None
+    return x
+
+
+def unfit(node, x):
+    """Why reduction ``node`` of ``x`` is rewritten over no dims: ``dtype=``, symbolic sizes,
+    no elements; None where none of them holds."""
+    if node.kwargs.get("dtype") is not None:
+        return "dtype= given"
+    if not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
+        return "symbolic sizes (dynamic shapes)"     # not read: a data-dependent one cannot be
+    if x.numel() == 0:
+        return "no elements"
+    return None
+
+
+def as_rows(gm, node, layout_op, layout_arg, kept: list) -> None:
+    """Replace reduction ``node`` by the same reduction over the last dimension of
+    ``layout_op(x, layout_arg)`` (a view or a permute of its input), viewed as ``kept`` (the
+    keepdim shape) where it keeps its dims."""
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    mode = _val(node.args[0]).fake_mode
+    with gm.graph.inserting_before(node):
+        rows = emit(gm, layout_op, (node.args[0], layout_arg), mode)
+        out = emit(gm, node.target, (rows, [-1]), mode)
+        if keepdim:
+            out = emit(gm, aten.view.default, (out, kept), mode)
+    out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+
+
 def _trailing(node):
     """(x, k, why) where ``node`` reduces a float tensor ``x`` over its last k >= 2 dimensions
     (not all of them): ``why`` is None where the rewrite applies, else why not; None where
     ``node`` is no such reduction."""
-    if node.op != "call_function" or node.target not in OPS or len(node.args) < 2:
+    x = reduced(node)
+    if x is None:
         return None
-    x, dims = _val(node.args[0]), node.args[1]
-    if x is None or not x.dtype.is_floating_point or x.dtype == torch.float64 \
-            or not isinstance(dims, (list, tuple)):
-        return None
+    dims = node.args[1]
     nd, k = x.dim(), len(dims)
     if k < 2 or k >= nd or sorted(d % nd for d in dims) != list(range(nd - k, nd)):
         return None
-    why = None
-    if node.kwargs.get("dtype") is not None:
-        why = "dtype= given"
-    elif not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
-        why = "symbolic sizes (dynamic shapes)"     # not read: a data-dependent one cannot be
-    elif x.numel() == 0:
-        why = "no elements"
-    elif not mergeable(x, nd - k, nd):
+    why = unfit(node, x)
+    if why is None and not mergeable(x, nd - k, nd):
         why = "the reduced dims are no view of one dimension (their strides)"
     return x, k, why
 
@@ -66,16 +98,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         if found is None or found[2] is not None:
             continue
         x, k, _ = found
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        lead, mode = list(x.shape[:-k]), x.fake_mode
-        with gm.graph.inserting_before(node):
-            rows = emit(gm, aten.view.default, (node.args[0], lead + [math.prod(x.shape[-k:])]),
-                        mode)
-            out = emit(gm, node.target, (rows, [-1]), mode)
-            if keepdim:
-                out = emit(gm, aten.view.default, (out, lead + [1] * k), mode)
-        out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
+        lead = list(x.shape[:-k])
+        as_rows(gm, node, aten.view.default, lead + [math.prod(x.shape[-k:])], lead + [1] * k)
         done += 1
     return done
