@@ -159,6 +159,17 @@ def convnext_tiny_32(device="cpu", dtype=torch.bfloat16):
                  _pixels(32, 224 if not TINY else 32), device, dtype)
 
 
+def resnet50_32(device="cpu", dtype=torch.bfloat16):
+    """ResNet-50 at 224, batch 32: bottleneck blocks, BatchNorm (statistics of the batch in
+    training), ReLU, residual adds."""
+    return _make("ResNetConfig", "ResNetModel",
+                 dict(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3],
+                      layer_type="bottleneck"),
+                 dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                      layer_type="basic"),
+                 _pixels(32, 224 if not TINY else 32), device, dtype)
+
+
 def swin_tiny_32(device="cpu", dtype=torch.bfloat16):
     """Swin-T at 224, batch 32: window attention, patch merging."""
     return _make("SwinConfig", "SwinModel",
@@ -170,4 +181,4 @@ def swin_tiny_32(device="cpu", dtype=torch.bfloat16):
 
 
 ALL = ["mistral_4x1024", "qwen3_4x1024", "gemma2_4x512", "bloom_8x512", "t5_base_16x256",
-       "bart_base_16x256", "vit_base_32", "convnext_tiny_32", "swin_tiny_32"]
+       "bart_base_16x256", "vit_base_32", "convnext_tiny_32", "resnet50_32", "swin_tiny_32"]

@@ -59,7 +59,8 @@ def iteration_space(ir: KernelIR):
         rows = shape[:-1]
         allowed = {shape, rows + (sympy.Integer(1),), rows}
         bad = {ir.values[o].shape for o in ir.outputs
-               if ir.values[o].shape not in allowed and layout_chain(ir, o, shape) is None
+               if ir.values[o].shape not in allowed and not one_a_row(ir.values[o].shape, rows)
+               and layout_chain(ir, o, shape) is None
                and pulled(ir, o, shape) is None and not reshaped(ir, o, shape)
                and alongside(ir, o, shape) is None}
         if bad:
@@ -69,6 +70,24 @@ def iteration_space(ir: KernelIR):
     if len(out_shapes) != 1:
         raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}")
     return "pointwise", out_shapes.pop()
+
+
+def _sized(shape) -> tuple:
+    return tuple(s for s in shape if s != 1)
+
+
+def one_a_row(shape, rows) -> bool:
+    """Whether an output of ``shape`` holds one value a row of a row kernel over ``rows``: its
+    dims other than those of size 1 are the rows' (a BatchNorm statistic's [1, C, 1, 1] of
+    rows [C, 1, 1])."""
+    return _sized(shape) == _sized(rows)
+
+
+def row_index(full, rows, shape) -> tuple:
+    """The index of a row's value in an output of ``shape`` that ``one_a_row`` accepts: its dims
+    of size 1 at 0, the others the rows' own, in order (``full``: the iteration index)."""
+    sized = iter(i for i, n in zip(full, rows) if n != 1)
+    return tuple(sympy.Integer(0) if n == 1 else next(sized) for n in shape)
 
 
 class Lowering(PointwiseLowering):
@@ -126,6 +145,10 @@ class Lowering(PointwiseLowering):
             val = self.ir.values[vid]
             if row and val.shape != self.shape and val.shape in per_row:
                 index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
+                var = self.value(vid, index, frozenset())
+                self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
+            elif row and val.shape != self.shape and one_a_row(val.shape, self.shape[:-1]):
+                index = row_index(full, self.shape[:-1], val.shape)
                 var = self.value(vid, index, frozenset())
                 self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
             elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:

@@ -55,7 +55,7 @@ from .passes.shapes import fake_of_layout, static_layout
 
 log = logging.getLogger("fusion_compiler")
 
-FORMAT = "2"        # bump when what FusionOutputCode stores changes
+FORMAT = "3"        # bump when what FusionOutputCode stores changes
 
 try:
     from torch._functorch._aot_autograd import autograd_cache as _torch_cache
@@ -218,7 +218,8 @@ def namespace(cache_dir: Path, partition: str) -> Path:
 
 def _pickled(gm: torch.fx.GraphModule) -> tuple[bytes | None, str | None]:
     """(the graph pickled, None), or (None, why it is not kept)."""
-    # the passes read a node's "val" alone; the rest (stack traces, module stacks, provenance:
+    # the passes read a node's "val", and dump's labels the op it was decomposed from
+    # ("original_aten", kept as its name); the rest (stack traces, module stacks, provenance:
     # 7.7 MB pickled for GPT-2's training graphs) is left out of the copy, not the graph. The
     # values go as their layouts (_Layout), not as fake tensors
     nodes = list(gm.graph.nodes)
@@ -226,6 +227,8 @@ def _pickled(gm: torch.fx.GraphModule) -> tuple[bytes | None, str | None]:
     try:
         for node, meta in zip(nodes, metas):
             node.meta = {"val": _layouts(meta["val"])} if "val" in meta else {}
+            if "original_aten" in meta:
+                node.meta["original_aten"] = str(meta["original_aten"])
         return GraphPickler.dumps(_uncompiled(gm), Options(ops_filter=None)), None
     except _Dynamic:
         return None, "dynamic shapes"

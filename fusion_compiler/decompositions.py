@@ -9,8 +9,12 @@ pointwise ops and last-dim reductions the code generator fuses:
     split, split_with_sizes           -> slices (views)
     var_mean.correction, var.correction -> our form below: mean, then squared deviations (no prims)
     linalg_vector_norm (2-norm)       -> sqrt of a sum of squares (fp32 for bf16/fp16)
+    repeat                            -> a reshape of an expand (index arithmetic)
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
+    batch norm (training, eval)       -> PyTorch's: var_mean over [0, 2, ...] (in fp32), then
+                                         pointwise; passes/outer_dims.py makes the statistics
+                                         row kernels
 
 GEMMs (baddbmm too, which the core table would turn into an fp32 bmm), attention
 (scaled_dot_product_attention), an embedding's gradient (embedding_dense_backward, which the
@@ -19,6 +23,7 @@ core table would turn into a slow index_put) and everything else stay as they ar
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch._decomp import get_decompositions
@@ -47,6 +52,15 @@ _EXTRA = [
 ]
 
 
+# batch norm's forms: F.batch_norm traces to one of them by mode, device and torch version.
+# Their backward (native_batch_norm_backward, cudnn_batch_norm_backward) is in the core table
+_BATCH_NORM = [
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit.no_stats",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
+]
+
+
 def _ops(names):
     out = []
     for name in names:
@@ -58,16 +72,51 @@ def _ops(names):
     return out
 
 
+def _outer_split(x, dims):
+    """(lead, trail) where ``dims`` are ``x``'s first dims and its last ones, some kept
+    between them (BatchNorm's [0, 2, 3] of [N, C, H, W]), with static sizes; else None."""
+    nd = x.dim()
+    dims = sorted({d % nd for d in dims})
+    a = next((i for i, d in enumerate(dims) if d != i), len(dims))
+    if a == 0 or a == len(dims) or dims[a:] != list(range(nd - len(dims) + a, nd)) \
+            or not all(isinstance(s, int) for s in x.shape):
+        return None
+    return dims[:a], dims[a:]
+
+
 def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
-    """var_mean as mean, then the mean of squared deviations (ATen's two-pass result)."""
+    """var_mean as mean, then the mean of squared deviations (ATen's two-pass result).
+
+    Over leading and trailing dims at once (BatchNorm's statistics) in Chan's parallel form:
+    each row of the trailing dims' elements has its mean m_i and its sum of squared
+    deviations M2_i, one row kernel that reads x once; then over the leading dims the mean
+    is the mean of the m_i (rows of equal length) and M2 = sum(M2_i + t * (m_i - mean)^2),
+    with t elements a row: small sums over [L, C] (passes/column_sums.py)."""
     dims = list(range(x.ndim)) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
     n = 1
     for d in dims:
         n = n * x.shape[d]
     correction = 1 if correction is None else correction
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    mean = torch.mean(xf, dims, keepdim=True)
-    var = torch.sum((xf - mean) * (xf - mean), dims, keepdim=keepdim) / max(n - correction, 0)
+    split = _outer_split(x, dims) if x.dim() else None
+    if split is None:
+        mean = torch.mean(xf, dims, keepdim=True)
+        m2 = torch.sum((xf - mean) * (xf - mean), dims, keepdim=keepdim)
+    else:
+        lead, trail = split
+        rows = math.prod(x.shape[d] for d in lead)
+        row_mean = torch.mean(xf, trail, keepdim=True)
+        dev = xf - row_mean
+        row_m2 = torch.sum(dev * dev, trail, keepdim=True)
+        if rows == 1:       # a sum over dims of size 1 is the value itself
+            mean, m2 = row_mean, row_m2
+        else:
+            mean = torch.sum(row_mean, lead, keepdim=True) / rows
+            spread = row_mean - mean
+            m2 = torch.sum(row_m2 + (n // rows) * (spread * spread), lead, keepdim=True)
+        if not keepdim:
+            m2 = torch.squeeze(m2, dims)
+    var = m2 / max(n - correction, 0)
     if not keepdim:
         mean = torch.squeeze(mean, dims)
     return var.to(x.dtype), mean.to(x.dtype)
@@ -91,6 +140,20 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         return NotImplemented
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     return torch.sqrt(torch.sum(xf * xf, dims, keepdim=keepdim)).to(x.dtype)
+
+
+def repeat(x, repeats):
+    """``x.repeat(*repeats)`` as a reshape of an expand: along each dimension element i is x's
+    element i % size, index arithmetic in the kernel that reads it, where ATen's repeat is a
+    copy kernel of its own (InstanceNorm repeats its weight and bias for each sample). Fewer
+    repeats than dims and empty results keep ATen's op (its error, its empty tensor)."""
+    repeats = list(repeats)
+    if len(repeats) < x.dim() or any(isinstance(r, int) and r == 0 for r in repeats):
+        return NotImplemented
+    shape = [1] * (len(repeats) - x.dim()) + list(x.shape)
+    tiled = x.reshape([v for s in shape for v in (1, s)])
+    tiled = tiled.expand([v for r, s in zip(repeats, shape) for v in (r, s)])
+    return tiled.reshape([r * s for r, s in zip(repeats, shape)])
 
 
 def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
@@ -130,6 +193,18 @@ def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
     return out, mean.view(n, groups).to(x.dtype), rstd.view(n, groups).to(x.dtype)
 
 
+def _on_kernels(decomposition):
+    """``decomposition``, where its ops become kernels: on the CPU, where no kernel runs unless
+    Triton's interpreter does, ATen's own op is kept (NotImplemented: traced as it is), except
+    where kernels are made to be shown (``emit_sources``: `dump`, as on a GPU)."""
+    @functools.wraps(decomposition)
+    def decompose(x, *args, **kwargs):
+        if x.device.type == "cpu" and not interpreting() and not Config.from_env().emit_sources:
+            return NotImplemented
+        return decomposition(x, *args, **kwargs)
+    return decompose
+
+
 @functools.lru_cache(maxsize=1)
 def _table() -> dict:
     # attention stays one ATen op (FlashAttention / memory-efficient kernels on the GPU); so
@@ -148,6 +223,8 @@ def _table() -> dict:
     table[aten.var.correction] = var_correction
     table[aten.linalg_vector_norm.default] = linalg_vector_norm
     table[aten.native_group_norm.default] = native_group_norm
+    table[aten.repeat.default] = repeat
+    table.update({op: _on_kernels(fn) for op, fn in get_decompositions(_ops(_BATCH_NORM)).items()})
     return table
 
 

@@ -9,7 +9,7 @@ import operator
 
 import torch
 
-from .passes import column_sums, middle_dims, trailing_dims
+from .passes import column_sums, middle_dims, outer_dims, trailing_dims
 from .passes.classify import OpKind
 from .passes.generate import label
 from .passes.shapes import hint
@@ -53,7 +53,8 @@ def aten_reason(node, config=None) -> str:
         if src is not None and src.dtype == torch.float64:
             return "fp64 reduction: stays on ATen"
         why = column_sums.why_left(node, config is None or config.column_sums) \
-            or trailing_dims.why_left(node) or middle_dims.why_left(node)
+            or trailing_dims.why_left(node) or middle_dims.why_left(node) \
+            or outer_dims.why_left(node)
         return why or "reduction not over the last dimension"
     return f"not supported by the code generator: {_short(node.target)}"
 

@@ -16,7 +16,8 @@ stay in fp32, and the second, small sum adds them. S splits the rows into chunks
 ``CHUNK`` so the first kernel has programs for every SM. Rows that allow no split (fewer
 than 2 x ``CHUNK``, or an odd count) take one sum.
 
-Eager's CUDA sum accumulates in fp32 and rounds once; so do these.
+A mean over leading dims (BatchNorm1d's statistics over [N, C]) is the same sum divided by
+the rows' count in fp32. Eager's CUDA sum accumulates in fp32 and rounds once; so do these.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _leading(node):
     dimensions (k < rank): ``why`` is None where the rewrite applies (static sizes, the k
     dimensions mergeable into one, at least two rows and two columns), else why not; None where
     ``node`` is no such sum."""
-    if node.op != "call_function" or node.target is not aten.sum.dim_IntList \
+    if node.op != "call_function" or node.target not in (aten.sum.dim_IntList, aten.mean.dim) \
             or node.kwargs.get("dtype") is not None or len(node.args) < 2:
         return None
     x, dims = _val(node.args[0]), node.args[1]
@@ -82,12 +83,21 @@ def why_left(node, enabled: bool):
     if found is None:
         return None
     if not enabled:
-        return "sum over leading dims: column sums are off (FUSION_COMPILER_COLUMN_SUMS=0)"
-    return f"sum over leading dims: {found[2] or 'not rewritten'}"
+        return ("sum or mean over leading dims: column sums are off "
+                "(FUSION_COMPILER_COLUMN_SUMS=0)")
+    return f"sum or mean over leading dims: {found[2] or 'not rewritten'}"
+
+
+def _in_fp32(node, rows, mode) -> None:
+    """Make sum ``node`` of ``rows`` keep its result in fp32: sum(..., dtype=fp32) as a
+    kernel."""
+    node.kwargs = {"dtype": torch.float32}
+    with mode:
+        node.meta["val"] = aten.sum.dim_IntList(_val(rows), [-1], dtype=torch.float32)
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> int:
-    """Rewrite ``gm``'s sums over leading dimensions, in place; how many."""
+    """Rewrite ``gm``'s sums (and means) over leading dimensions, in place; how many."""
     if not ctx.config.column_sums:
         return 0
     done = 0
@@ -99,6 +109,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         rows, rest = math.prod(x.shape[:k]), list(x.shape[k:])
         s, mode, n = splits(rows), x.fake_mode, len(rest)
+        mean, low = node.target is aten.mean.dim, x.dtype != torch.float32
         src = node.args[0]
         with gm.graph.inserting_before(node):
             if s == 1:          # [R, *C] -> [*C, R]: one sum
@@ -106,22 +117,23 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
                 t = emit(gm, aten.permute.default, (t, list(range(1, n + 1)) + [0]), mode)
                 total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
                 total.meta[MARK] = "sum"
+                if mean and low:    # divided in fp32, then rounded once
+                    _in_fp32(total, t, mode)
             else:
                 t = emit(gm, aten.view.default, (src, [s, rows // s] + rest), mode)
                 t = emit(gm, aten.permute.default, (t, [0] + list(range(2, n + 2)) + [1]), mode)
                 part = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
                 part.meta[MARK] = "partials"
-                if x.dtype != torch.float32:
-                    # the partials stay fp32: sum(..., dtype=fp32) as a kernel
-                    part.kwargs = {"dtype": torch.float32}
-                    with mode:
-                        part.meta["val"] = aten.sum.dim_IntList(_val(t), [-1], dtype=torch.float32)
+                if low:     # the partials stay fp32
+                    _in_fp32(part, t, mode)
                 t = emit(gm, aten.permute.default, (part, list(range(1, n + 1)) + [0]), mode)
                 total = emit(gm, aten.sum.dim_IntList, (t, [-1]), mode)
                 total.meta[MARK] = "total"
-                if x.dtype != torch.float32:
-                    total = emit(gm, torch.ops.prims.convert_element_type.default,
-                                 (total, x.dtype), mode)
+            if mean:
+                total = emit(gm, aten.div.Tensor, (total, rows), mode)
+            if low and (mean or s > 1):
+                total = emit(gm, torch.ops.prims.convert_element_type.default,
+                             (total, x.dtype), mode)
             if keepdim:
                 total = emit(gm, aten.view.default, (total, [1] * k + rest), mode)
         total.meta.update({k2: v for k2, v in node.meta.items() if k2 not in ("val",)})

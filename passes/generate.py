@@ -222,8 +222,12 @@ def label(group) -> str:
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2}
     reductions = sum(1 for n in group.members if _op(n) in ("mean", "sum"))
     parts = []
+    # ops traced from a batch norm's decomposition carry it (make_fx's ``original_aten``)
+    batch_norm = any("batch_norm" in str(n.meta.get("original_aten")) for n in group.members)
     if {"amax", "exp", "sum"} <= ops:
         parts.append("softmax")
+    elif batch_norm:
+        parts.append("batchnorm")
     elif ("rsqrt" in ops or "sqrt" in ops) and reductions:
         # LayerNorm subtracts the row's mean; RMSNorm does not (a group may hold two norms).
         # Written out, a LayerNorm may divide by a sqrt (the ConvNeXt repository's

@@ -66,6 +66,26 @@ def test_sums_over_two_leading_dims_with_keepdim(dtype, device):
     assert_close(b, eb, dtype=dtype, name="sum(g, keepdim)")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [300, 37], ids=["split", "one-sum"])
+@pytest.mark.parametrize("dims", [[0], [0, 1]], ids=str)
+def test_means_over_leading_dims(dtype, rows, dims, device):
+    """A mean over leading dims (BatchNorm1d's statistics over [N, C]) is the column sum divided
+    by the rows' count in fp32, rounded once; with keepdim too. Two means of one shape: one
+    kernel, or two where the rows are split."""
+    x = randn((rows, 3, 13), dtype, device) * 4 + 1
+
+    def f(x):
+        y = x * 2
+        return y.mean(dims), (y * y).mean(dims, keepdim=True)
+    (a, b), reports = compile_and_run(f, (x,))
+    ea, eb = f(x)
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports) == (2 if rows == 300 else 1)
+    assert_close(a, ea, dtype=dtype, name="mean")
+    assert_close(b, eb, dtype=dtype, name="mean of squares, keepdim")
+
+
 def test_large_values_keep_fp32_partials(device):
     """The partial sums stay fp32 between the two kernels: bf16 partials of 2048 ones plus a
     large first value would each round, and their total would drift from eager's."""
@@ -188,12 +208,12 @@ def test_dump_labels_the_column_sums(device):
 
 def test_dump_says_why_a_sum_over_leading_dims_stays_on_aten(device, monkeypatch):
     """An op left on ATen names its reason: a sum over dims that are no view of one, or with the
-    rewrite turned off; a mean over the leading dims is a reduction not over the last one."""
+    rewrite turned off; a max over the leading dims is a reduction not over the last one."""
     g = randn((8, 300, 16), torch.float32, device).transpose(0, 1)
     x = randn((300, 16), torch.float32, device)
     assert aten_reasons(lambda g: (g * 2).sum([0, 1]), g) == [
-        "sum over leading dims: the summed dims are no view of one dimension (their strides)"]
-    assert aten_reasons(lambda x: (x * 2).mean(0), x) == ["reduction not over the last dimension"]
+        "sum or mean over leading dims: the summed dims are no view of one dimension (their strides)"]
+    assert aten_reasons(lambda x: (x * 2).amax(0), x) == ["reduction not over the last dimension"]
     monkeypatch.setenv("FUSION_COMPILER_COLUMN_SUMS", "0")
     assert aten_reasons(lambda x: (x * 2).sum(0), x) == [
-        "sum over leading dims: column sums are off (FUSION_COMPILER_COLUMN_SUMS=0)"]
+        "sum or mean over leading dims: column sums are off (FUSION_COMPILER_COLUMN_SUMS=0)"]

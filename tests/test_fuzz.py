@@ -846,7 +846,7 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
     # a sum over leading dims that passes/column_sums declined (dims that are no view of one)
     # says why: the dump's reason for it (column_sums.why_left)
     for a in [a for r in reports for a in (r.summary or {}).get("aten_ops", [])
-              if a["reason"].startswith("sum over leading dims:")]:
+              if a["reason"].startswith("sum or mean over leading dims:")]:
         if "aten.sum.dim_IntList" in unexplained:
             note(f"column sum left on ATen: {a['reason']}")
             unexplained.remove("aten.sum.dim_IntList")
