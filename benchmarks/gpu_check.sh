@@ -26,8 +26,10 @@
 #              log; the GPU's clock and a host-speed probe in $OUT/probe.log)
 # Each step has its own time limit. Output reaches the log line by line (python -u, grep
 # --line-buffered), so a step cut by its limit still shows what it printed (session 13 lost a
-# compile-time table that sat in a pipe's buffer). The suite runs on 8 workers with a per-test
-# timeout and `-rfE`, so failures are named even if the run is cut.
+# compile-time table that sat in a pipe's buffer). The suite runs on 12 workers with a per-test
+# timeout and `-rfE`, so failures are named even if the run is cut; its whole output goes to
+# $OUT/suite.log (on 8 workers and a 240 s limit it was cut with nothing printed, session 45:
+# 12 workers took 180 s).
 # Small sizes run before anything else: timed after the 16384-row cases in the same process,
 # their rounds disagreed by up to 8x for every backend (session 13, calls 1 and 3).
 # Compile time runs with the site-packages compiled to .pyc first (PYTHONPYCACHEPREFIX): a
@@ -60,8 +62,9 @@ python3 -m pip install --no-deps --no-build-isolation --no-index -q -e . >> "$LO
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; } >> "$LOG" 2>&1
 for s in $STEPS; do
     case $s in
-    suite) step suite 240 "python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider tests -rfE \
-        --timeout=120 --tb=short -p no:warnings ${PYTEST_ARGS:-} 2>&1 | $quiet | tail -40" ;;
+    suite) step suite ${SUITE_LIMIT:-420} "python3 -m pytest -n ${WORKERS:-12} -q -p no:cacheprovider \
+        tests -rfE --timeout=120 --tb=short -p no:warnings --durations=15 ${PYTEST_ARGS:-} 2>&1 \
+        | $quiet > $OUT/suite.log; tail -60 $OUT/suite.log" ;;
     small) cases=""
         for p in add_rmsnorm add_layernorm rmsnorm_fp8 rmsnorm_dynamic_fp8 dequant_add; do
             for r in 1 64 512; do cases="$cases $p:$r:4096"; done; done
