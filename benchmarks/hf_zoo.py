@@ -170,6 +170,13 @@ def resnet50_32(device="cpu", dtype=torch.bfloat16):
                  _pixels(32, 224 if not TINY else 32), device, dtype)
 
 
+def resnet50_32_train(device="cpu", dtype=torch.bfloat16):
+    """``resnet50_32`` in train mode, for ``bench --mode training``: BatchNorm normalises with
+    the batch's statistics and updates its running ones, as a training step does."""
+    model, inputs = resnet50_32(device, dtype)
+    return model.train(), inputs
+
+
 def swin_tiny_32(device="cpu", dtype=torch.bfloat16):
     """Swin-T at 224, batch 32: window attention, patch merging."""
     return _make("SwinConfig", "SwinModel",
