@@ -93,9 +93,10 @@ def row_inplace_outputs(lk) -> dict:
     dtype, shape and strides (or both contiguous, of as many elements: the output is then a
     view of the input), no storage offset, whose every load is at the output's store
     address (a norm's residual sum over the residual, its output over the sum's other
-    operand), where each load of the input comes before each store of the output in the
-    kernel's order and the output's value is computed from the input. A program then reads
-    every element it overwrites, as the value it stores needs it, and no element after."""
+    operand; a per-row value over a per-row input), where each load of the input comes
+    before each store of the output in the kernel's order and the output's value is computed
+    from the input. A program then reads every element it overwrites, as the value it stores
+    needs it, and no element after."""
     ir = lk.ir
     n_in = len(ir.inputs)
     order = [st for ph in lk.phases for st in ph.outer + ph.body] + list(lk.tail)
@@ -114,8 +115,11 @@ def row_inplace_outputs(lk) -> dict:
         out = ir.values[o]
         stores = [i for i, st in enumerate(order) if st[0] == "store" and st[1] == p]
         offsets = {sympy.expand(order[i][3]) for i in stores}
-        # row-level stores at one address (a per-row value is not the input's shape)
-        if o < n_in or not stores or len(offsets) != 1 or not all(order[i][4] for i in stores):
+        # stores at one address, all per element or all per row (a per-row value over an
+        # input of its layout read at the row's address: BN's running mean, in the kernel
+        # that combines the batch's statistics; its store ends the kernel, after every load)
+        if o < n_in or not stores or len(offsets) != 1 \
+                or len({bool(order[i][4]) for i in stores}) != 1:
             continue
         (offset,) = offsets
         for j, v in enumerate(ir.inputs):
@@ -355,4 +359,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     tables = "".join(f"_COMPILED_{name} = {{}}\n" for name in kernels)
     # the outputs the graph may have written over a dead input: output -> input position
     tables += f"INPLACE = {({p: j for p, (j, _) in reuse.items()})!r}\n"
+    # whether the launcher writes over what it is handed every time (not where a looped row
+    # kernel may run instead): passes/input_writes.py drops a copy only then
+    tables += f"INPLACE_ALWAYS = {not persistent_only!r}\n"
     return tables + "\n\n" + "\n".join(lines)

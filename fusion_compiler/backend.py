@@ -59,6 +59,8 @@ class CompileContext:
     compiles: object = None     # the kernels compiling on threads (generate.KernelCompiles)
     analyzed: object = None     # the graph the groups were decided on (pipeline.compile_graph)
     inplace: list = field(default_factory=list)     # (group, output, input): passes/inplace.py
+    # (group, output, graph input) whose copy_ the kernel made: passes/input_writes.py
+    input_writes: list = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -313,4 +315,5 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                                 late_decompose.deferred(gm, example_inputs)),
                             partition_fn=min_cut_rematerialization_partition
                             if partition == "min_cut" else default_partition,
+                            keep_inference_input_mutations=True,
                             )(gm, example_inputs)

@@ -174,6 +174,11 @@ def render_table(doc) -> str:
             out += ["", "outputs written over an input that dies with the kernel, no memory "
                         f"of their own ({len(s['inplace'])}): "
                         + ", ".join(f"group {w['group']} over {w['over']}" for w in s["inplace"])]
+        if s.get("input_writes"):
+            out += ["", "graph inputs (buffers) written by the kernel that computes their new "
+                        f"value, no copy ({len(s['input_writes'])}): "
+                        + ", ".join(f"group {w['group']} into {w['into']}"
+                                    for w in s["input_writes"])]
         if s.get("empty"):
             out += ["", f"no elements, allocated instead of computed ({len(s['empty'])}): "
                         + ", ".join(s["empty"])]

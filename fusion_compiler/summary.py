@@ -40,6 +40,9 @@ def aten_reason(node, config=None) -> str:
         return "attention"
     if base == "embedding":
         return "embedding (gather)"
+    if base == "copy_":
+        return ("a graph input's update (a buffer's copy_): no kernel computing the value could "
+                "write it there (passes/input_writes.py)")
     if base == "native_dropout":
         # no generated kernel makes random numbers: ATen's draws eager's mask for a seed, and
         # writes the output and the mask in one pass
@@ -94,9 +97,12 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         else:
             after_time, after_bytes = after_time + ut, after_bytes + ub
     aten = []
+    written = {name for _, _, name in ctx.input_writes}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n in in_groups or n.target is operator.getitem:
             continue
+        if n.target is torch.ops.aten.copy_.default and n.args[0].name in written:
+            continue        # the kernel computing the value writes it there (input_writes)
         val = n.meta.get("val")
         produces_tensor = isinstance(val, torch.Tensor) or (
             isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
@@ -116,6 +122,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
         "empty": list(ctx.empty_values),
         "inplace": [{"group": g, "output": p, "over": name} for g, p, name in ctx.inplace],
+        "input_writes": [{"group": g, "output": p, "into": name}
+                         for g, p, name in ctx.input_writes],
         "passed_through": list(ctx.passed_through),
         "trimmed_cats": list(ctx.trimmed_cats),
         "totals": {
@@ -133,7 +141,7 @@ def failed(ctx, error: str) -> dict:
     """The summary of a graph the compiler could not compile (it runs on ATen unfused)."""
     return {"kind": ctx.kind, "profile": ctx.profile.name, "error": error, "groups": [],
             "aten_ops": [], "refused": [], "edges": [], "constants": [], "empty": [],
-            "inplace": [], "passed_through": [], "trimmed_cats": [],
+            "inplace": [], "input_writes": [], "passed_through": [], "trimmed_cats": [],
             "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,
                        "bytes_before": 0, "bytes_after": 0,
                        "time_before_us": 0.0, "time_after_us": 0.0}}

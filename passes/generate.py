@@ -66,6 +66,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             launch.__name__ = launch.__qualname__ = "launch"     # FX names call targets
             launch.__module__ = module.__name__
             launch.inplace = module.INPLACE     # outputs it may write over a dead input
+            launch.always_inplace = getattr(module, "INPLACE_ALWAYS", False)
             ctx.launchers[g.id] = launch
             if ctx.compiles is not None:
                 ctx.compiles.add(g, launch)

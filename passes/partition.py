@@ -13,7 +13,7 @@ import networkx as nx
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import inplace
+from . import inplace, input_writes
 from .groups import TRANSPARENT
 
 aten = torch.ops.aten
@@ -66,6 +66,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if not n.users and n.op == "call_function" and n.meta.get("fc_kind") in TRANSPARENT:
             graph.erase_node(n)
     ctx.inplace = inplace.run(graph)       # kernels write over inputs that die with them
+    ctx.input_writes = input_writes.run(graph)     # and buffers' new values into them
     return _LazyGraphModule(gm, graph)     # its code compiled once, by the backend
 
 
