@@ -285,7 +285,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         if target is not None:
             return measure.capture_first_call(fn, target)
         if config.cudagraphs:
-            reason = cudagraphs.why_not(aten_gm, kind)
+            reason = cudagraphs.why_not(aten_gm, kind, static_inputs)
             if reason is None:
                 return cudagraphs.CudaGraphRunner(fn, f"{kind} graph", static_inputs,
                                                   config.cudagraph_copy_outputs)

@@ -21,7 +21,9 @@ How inputs and outputs are handled, so nothing is silently wrong:
   lacks the C helpers for the first way.
 
 Not captured (the graph runs as usual, and the log says why): training graphs, dynamic
-shapes, CPU tensors, random ops, ops that read device values on the host.
+shapes, CPU tensors, random ops, ops that read device values on the host, graphs that write
+into an input that is not a parameter or buffer (aot_autograd keeps such writes in the graph:
+a replay would write the graph's own copy of it).
 """
 from __future__ import annotations
 
@@ -64,10 +66,21 @@ def static_input_indices() -> list:
     return list(getattr(meta, "static_input_indices", None) or ())
 
 
-def why_not(gm: torch.fx.GraphModule, kind: str) -> str | None:
-    """None if the graph can be captured, else the reason it is not."""
+def why_not(gm: torch.fx.GraphModule, kind: str, static_inputs=None) -> str | None:
+    """None if the graph can be captured, else the reason it is not. ``static_inputs``: the
+    indices of the graph's parameters and buffers (default: aot_autograd's, from the
+    tracing context)."""
     if kind != "inference":
         return "CUDA graphs are used for inference graphs only"
+    static = set(static_input_indices() if static_inputs is None else static_inputs)
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        for arg, a in zip(schema.arguments if schema else (), node.args):
+            if a in index and index[a] not in static and arg.alias_info is not None \
+                    and arg.alias_info.is_write:
+                # a replay reads and writes the graph's own copy of such an input
+                return f"it writes into its input {a.name} ({node.target}), not a buffer"
     for node in gm.graph.nodes:
         if node.op == "call_function" and _op_name(node.target) in _UNSAFE:
             return f"{node.target} cannot be replayed from a CUDA graph"

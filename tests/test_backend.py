@@ -435,6 +435,31 @@ def test_cudagraphs_are_not_used_where_unsafe():
     assert "cpu tensor" in cudagraphs.why_not(captured["g"], "inference")   # getitem is fine
 
 
+def test_cudagraphs_are_not_used_for_a_graph_that_writes_a_callers_tensor():
+    """The backend keeps writes into inputs in the graph (keep_inference_input_mutations): a
+    replay would write its own copy of a caller's tensor, so such a graph is not captured; a
+    write into a buffer (a static input, captured in place) is no reason."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from fusion_compiler import cudagraphs
+    captured = {}
+
+    def grab(gm, example_inputs):
+        def keep(g, _):
+            captured["g"] = g
+            return g
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep,
+                                     keep_inference_input_mutations=True)
+
+    def f(x, buf):
+        buf.mul_(0.5)
+        return x + 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(f, backend=grab)(torch.randn(3), torch.randn(3))
+    assert "writes into its input" in cudagraphs.why_not(captured["g"], "inference", [])
+    assert "writes into" not in cudagraphs.why_not(captured["g"], "inference", [0, 1])
+
+
 def test_young_gc_freezes_what_exists_and_still_collects_what_compiling_makes():
     import gc
     import weakref

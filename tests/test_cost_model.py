@@ -466,9 +466,9 @@ def test_graphs_replayed_from_cuda_graphs_are_costed_without_host_terms(monkeypa
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     cfg = dataclasses.replace(Config.from_env(), profile="h200", cudagraphs=True)
     # a graph that cannot be captured (here: CPU tensors) keeps the host's launch costs
-    monkeypatch.setattr(cudagraphs, "why_not", lambda g, kind: "a cpu tensor")
+    monkeypatch.setattr(cudagraphs, "why_not", lambda g, kind, static=None: "a cpu tensor")
     assert backend.make_context(cfg, "inference", gm).profile == H200
-    monkeypatch.setattr(cudagraphs, "why_not", lambda g, kind: None)
+    monkeypatch.setattr(cudagraphs, "why_not", lambda g, kind, static=None: None)
     replayed = backend.make_context(cfg, "inference", gm).profile
     assert replayed == without_host(H200) and replayed.name == "h200+cudagraphs"
     assert (replayed.launch_overhead, replayed.launch_per_output, replayed.launch_per_input) == (0, 0, 0)
