@@ -72,14 +72,15 @@ def _ops(names):
     return out
 
 
-def _outer_split(x, dims):
-    """(lead, trail) where ``dims`` are ``x``'s first dims and its last ones, some kept
-    between them (BatchNorm's [0, 2, 3] of [N, C, H, W]), with static sizes; else None."""
-    nd = x.dim()
-    dims = sorted({d % nd for d in dims})
+def lead_and_trail(nd: int, dims) -> tuple | None:
+    """(lead, trail) where ``dims`` are the first dims of a rank-``nd`` tensor and its last
+    ones, some kept between them (BatchNorm's [0], [2, 3] of [N, C, H, W]); else None. Here,
+    not in passes/outer_dims.py, which uses it too: the AOT cache's namespace hashes this
+    folder's sources, and the ATen graphs it keeps depend on it."""
+    dims = sorted({d % nd for d in dims}) if nd else []
     a = next((i for i, d in enumerate(dims) if d != i), len(dims))
-    if a == 0 or a == len(dims) or dims[a:] != list(range(nd - len(dims) + a, nd)) \
-            or not all(isinstance(s, int) for s in x.shape):
+    b = nd - (len(dims) - a)
+    if a == 0 or a == len(dims) or dims[a:] != list(range(b, nd)) or b <= a:
         return None
     return dims[:a], dims[a:]
 
@@ -98,7 +99,8 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
         n = n * x.shape[d]
     correction = 1 if correction is None else correction
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    split = _outer_split(x, dims) if x.dim() else None
+    static = all(isinstance(s, int) for s in x.shape)
+    split = lead_and_trail(x.dim(), dims) if static else None
     if split is None:
         mean = torch.mean(xf, dims, keepdim=True)
         m2 = torch.sum((xf - mean) * (xf - mean), dims, keepdim=keepdim)

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..decompositions import lead_and_trail
 from .column_sums import mergeable
 from .pad_gemm import emit
 from .trailing_dims import reduced, unfit
@@ -35,14 +36,12 @@ def _outer(node):
     x = reduced(node)
     if x is None or node.target not in (aten.sum.dim_IntList, aten.mean.dim):
         return None
-    nd = x.dim()
-    dims = sorted({d % nd for d in node.args[1]}) if nd else []
-    a = next((i for i, d in enumerate(dims) if d != i), len(dims))
-    b = nd - (len(dims) - a)
-    if a == 0 or a == len(dims) or dims[a:] != list(range(b, nd)) or b <= a:
+    split = lead_and_trail(x.dim(), node.args[1])
+    if split is None:
         return None
+    a, b = len(split[0]), split[1][0]
     why = unfit(node, x)
-    if why is None and not mergeable(x, b, nd):
+    if why is None and not mergeable(x, b, x.dim()):
         why = "the trailing reduced dims are no view of one dimension (their strides)"
     return x, a, b, why
 
