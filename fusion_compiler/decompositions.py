@@ -144,6 +144,13 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return torch.sqrt(torch.sum(xf * xf, dims, keepdim=keepdim)).to(x.dtype)
 
 
+def _kernels_run(x) -> bool:
+    """Whether ops on ``x`` become kernels: not on the CPU, where none runs unless Triton's
+    interpreter does, except where kernels are made to be shown (``emit_sources``: `dump`, as
+    on a GPU). A composite op decomposed there would run op by op on ATen."""
+    return x.device.type != "cpu" or interpreting() or Config.from_env().emit_sources
+
+
 def repeat(x, repeats):
     """``x.repeat(*repeats)`` as a reshape of an expand: along each dimension element i is x's
     element i % size, index arithmetic in the kernel that reads it, where ATen's repeat is a
@@ -172,7 +179,7 @@ def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
     except where kernels are made to be shown (``emit_sources``: `dump`, as on a GPU)."""
     if x.dim() < 2 or c % groups:
         return NotImplemented
-    if x.device.type == "cpu" and not interpreting() and not Config.from_env().emit_sources:
+    if not _kernels_run(x):
         return NotImplemented
     acc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     cpg = c // groups
@@ -196,14 +203,11 @@ def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):
 
 
 def _on_kernels(decomposition):
-    """``decomposition``, where its ops become kernels: on the CPU, where no kernel runs unless
-    Triton's interpreter does, ATen's own op is kept (NotImplemented: traced as it is), except
-    where kernels are made to be shown (``emit_sources``: `dump`, as on a GPU)."""
+    """``decomposition`` where its ops become kernels (``_kernels_run``), else ATen's own op
+    (NotImplemented: traced as it is)."""
     @functools.wraps(decomposition)
     def decompose(x, *args, **kwargs):
-        if x.device.type == "cpu" and not interpreting() and not Config.from_env().emit_sources:
-            return NotImplemented
-        return decomposition(x, *args, **kwargs)
+        return decomposition(x, *args, **kwargs) if _kernels_run(x) else NotImplemented
     return decompose
 
 
