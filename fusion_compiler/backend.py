@@ -25,7 +25,7 @@ from . import aot_cache, cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
-from .passes import fast_calls, late_decompose, sdpa_mask
+from .passes import channels_last, fast_calls, late_decompose, sdpa_mask
 from .report import GraphReport, aten_compute_ops, publish
 from . import summary
 
@@ -44,6 +44,7 @@ class CompileContext:
     run_on_cpu: bool
     size_hints: dict = field(default_factory=dict)
     decisions: list = field(default_factory=list)
+    layout: str | None = None       # the Dynamo graph's layout decision (passes/channels_last.py)
     unfused_cost: dict = field(default_factory=dict)
     recomputed_anywhere: set = field(default_factory=set)   # set by the fuse pass
     groups: list = field(default_factory=list)
@@ -120,10 +121,10 @@ def _devices(gm) -> set:
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config,
-                       meanwhile=None):
+                       meanwhile=None, layout: str | None = None):
     """Run the pipeline on one ATen graph; return what aot_autograd should call.
     ``meanwhile()``, if given, is the caller's own work, run while the kernels compile (once,
-    whatever happens).
+    whatever happens). ``layout``: what the Dynamo graph's layout pass decided, for the report.
 
     An unexpected error in the compiler never stops a model that eager PyTorch runs: the graph
     runs on ATen unfused, with a warning (or the error is raised with FUSION_COMPILER_STRICT=1),
@@ -131,7 +132,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config,
     pending = [meanwhile] if meanwhile is not None else []
     with young_gc():
         try:
-            return _compile_aten_graph(gm, kind, config, pending)
+            return _compile_aten_graph(gm, kind, config, pending, layout)
         finally:
             _run_pending(pending)       # not run yet: the passes failed first
 
@@ -141,12 +142,14 @@ def _run_pending(pending: list) -> None:
         pending.pop()()
 
 
-def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config, pending: list):
+def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config, pending: list,
+                        layout: str | None = None):
     from .passes import generate, pipeline       # here: `import fusion_compiler` stays light
 
     global _said_cpu
     started = time.perf_counter()
     ctx = make_context(config, kind, gm)
+    ctx.layout = layout
     report = GraphReport(kind=kind, ran_kernels=False, nodes_before=len(gm.graph.nodes))
     runs_kernels = "cuda" in _devices(gm) or ctx.run_on_cpu
     if not runs_kernels and not _said_cpu:
@@ -273,11 +276,21 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")
+    layout = None
+    if config.channels_last:
+        # the CPU runs what the GPU would where the interpreter runs the kernels (tests)
+        decision = channels_last.run(gm, example_inputs,
+                                     ("cuda", "cpu") if interpreting() else ("cuda",))
+        layout = decision.note()
+        if layout is not None:
+            log.info("fusion-compiler: convolution activations %s (passes/channels_last.py)",
+                     layout)
 
     def finish(aten_gm, kind, static_inputs, meanwhile=None):
         """One ATen graph compiled into what aot_autograd calls (boxed: it passes the argument
         list itself, so inputs can be freed early)."""
-        compiled = compile_aten_graph(aten_gm, kind, config, meanwhile=meanwhile)
+        compiled = compile_aten_graph(aten_gm, kind, config, meanwhile=meanwhile,
+                                      layout=layout)
         # the forward itself: a GraphModule's __call__ goes through nn.Module's hook
         # machinery on every call (~1 us of host time; a compiled graph has no hooks)
         fn = make_boxed_func(compiled.forward)

@@ -67,6 +67,10 @@ class Config:
     # instead, where its kernel takes them (cuDNN, Flash; inference graphs): the repeat's copies
     # are not made (passes/grouped_attention.py). 0: the graph's copies are kept.
     grouped_attention: bool = True
+    # Convolution networks keep their activations in channels-last memory, where Inductor's
+    # rules pick it (passes/channels_last.py): cuDNN computes in NHWC, and NCHW activations
+    # cost it a transpose in and out of each convolution. 0: the layouts the model gives.
+    channels_last: bool = True
     # Keep aot_autograd's result (the ATen forward and backward graphs, or the inference
     # graph, and its runtime wrappers) on disk in torch's AOTAutograd cache, so that a second
     # process compiling the same model skips aot_autograd's trace and partition

@@ -170,6 +170,8 @@ def render_table(doc) -> str:
             out += ["", f"computed once, at compile time ({len(s['constants'])} constants, "
                         f"{human_bytes(sum(c['bytes'] for c in s['constants']))}): "
                         + ", ".join(c["node"] for c in s["constants"])]
+        if s.get("layout"):
+            out += ["", f"convolution activations: {s['layout']} (passes/channels_last.py)"]
         if s.get("inplace"):
             out += ["", "outputs written over an input that dies with the kernel, no memory "
                         f"of their own ({len(s['inplace'])}): "

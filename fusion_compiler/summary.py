@@ -117,7 +117,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
     kernels_after = sum(1 for g in groups if g["kernel"]) + sum(
         len(g["ops"]) for g in groups if not g["kernel"])
     return {
-        "kind": ctx.kind, "profile": ctx.profile.name, "groups": groups, "aten_ops": aten,
+        "kind": ctx.kind, "profile": ctx.profile.name, "layout": ctx.layout,
+        "groups": groups, "aten_ops": aten,
         "refused": refused, "edges": edges,
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
         "empty": list(ctx.empty_values),
@@ -139,7 +140,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
 
 def failed(ctx, error: str) -> dict:
     """The summary of a graph the compiler could not compile (it runs on ATen unfused)."""
-    return {"kind": ctx.kind, "profile": ctx.profile.name, "error": error, "groups": [],
+    return {"kind": ctx.kind, "profile": ctx.profile.name, "layout": ctx.layout, "error": error,
+            "groups": [],
             "aten_ops": [], "refused": [], "edges": [], "constants": [], "empty": [],
             "inplace": [], "input_writes": [], "passed_through": [], "trimmed_cats": [],
             "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,

@@ -4,13 +4,22 @@ cuDNN path), the graph adds it, and the add joins the convolution's consumer's k
 On the CPU, ATen's backend (MKLDNN) adds the bias inside the convolution, so the pass leaves
 it there; these tests widen the pass's devices and backends to the CPU's to check the rewrite
 itself (its values then differ from eager's by the one rounding MKLDNN skips, within each
-dtype's tolerance). On a GPU they run as they are: cuDNN's path, the same arithmetic."""
+dtype's tolerance). On a GPU they run as they are: cuDNN's path, the same arithmetic.
+
+The channels-last rewrite (passes/channels_last.py) is off here: it would copy an NCHW input
+first, a kernel these counts are not about; the channels-last cases give the convolutions
+channels-last inputs themselves."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fusion_compiler.passes import conv_bias
 from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+
+
+@pytest.fixture(autouse=True)
+def _as_traced(monkeypatch):
+    monkeypatch.setenv("FUSION_COMPILER_CHANNELS_LAST", "0")
 
 
 @pytest.fixture
