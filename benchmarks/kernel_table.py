@@ -1,6 +1,7 @@
 """Where each backend's GPU time goes, kernel by kernel, for one model call (GPU).
 
     python benchmarks/kernel_table.py examples/gpt2.py:bench_8x512 [--backends inductor fusion]
+    python benchmarks/kernel_table.py benchmarks/hf_zoo.py:resnet50_128_train --mode training
 
 For each backend: one profiled call after warm-up (torch.profiler, CUDA activity), the CUDA
 kernels grouped by name with their count and total GPU time, the largest first, and the call's
@@ -17,13 +18,20 @@ import torch
 from fusion_compiler.targets import load_factory
 
 
-def table(target: str, backend: str, top: int) -> None:
+def table(target: str, backend: str, top: int, mode: str = "inference") -> None:
+    """``mode="training"``: each call is bench's training step (forward, backward, SGD)."""
+    import contextlib
+
     from torch.profiler import ProfilerActivity, profile
+
+    from fusion_compiler.bench import _training_step
 
     torch._dynamo.reset()
     model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
     f = model if backend == "eager" else torch.compile(model, backend=backend)
-    with torch.no_grad():
+    if mode == "training":
+        f = _training_step(f, model)
+    with torch.no_grad() if mode == "inference" else contextlib.nullcontext():
         for _ in range(5):
             f(*inputs)
         torch.cuda.synchronize()
@@ -53,9 +61,10 @@ def main():
     ap.add_argument("target")
     ap.add_argument("--backends", nargs="+", default=["eager", "inductor", "fusion"])
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--mode", choices=["inference", "training"], default="inference")
     a = ap.parse_args()
     for b in a.backends:
-        table(a.target, b, a.top)
+        table(a.target, b, a.top, a.mode)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ from . import patterns as P
 
 # name -> torch.compile arguments (None: eager). "-cg": CUDA graphs (mode="reduce-overhead");
 # "fusion-save": training graphs that save every forward value the backward reads instead of
-# recomputing the cheap ones (config.backward_recompute off), to compare the two.
+# recomputing the cheap ones (config.backward_recompute off), to compare the two; "fusion-nchw":
+# convolution networks in the layout the model gives (config.channels_last off).
 COMPILE_ARGS = {"eager": None, "inductor": {"backend": "inductor"},
                 "inductor-cg": {"backend": "inductor", "mode": "reduce-overhead"},
                 "fusion": {"backend": "fusion"},
                 "fusion-cg": {"backend": "fusion", "mode": "reduce-overhead"},
-                "fusion-save": {"backend": "fusion", "options": {"backward_recompute": False}}}
+                "fusion-save": {"backend": "fusion", "options": {"backward_recompute": False}},
+                "fusion-nchw": {"backend": "fusion", "options": {"channels_last": False}}}
 BACKENDS = tuple(COMPILE_ARGS)
 DEFAULT_BACKENDS = ("eager", "inductor", "fusion")
 
@@ -243,7 +245,8 @@ def _copy_bandwidth() -> float:
 
 
 def paired(times: dict) -> dict:
-    """Each fusion backend against each other backend, round by round: ``times`` maps a backend
+    """Each fusion backend against each other backend (plain fusion also against the other fusion
+    variants), round by round: ``times`` maps a backend
     to its interleaved rounds' latencies (ms). Returns {fusion backend: {other: {"median_diff_ms",
     "median_diff_frac", "faster_rounds", "rounds"}}}: the median of the rounds' differences
     (negative: fusion faster), the same over the other's median, and in how many rounds fusion
@@ -252,7 +255,8 @@ def paired(times: dict) -> dict:
     falls on both; the medians of the two columns alone do not tell a 2% lead from that noise."""
     out = {}
     for f in (b for b in times if b.startswith("fusion")):
-        for o in (b for b in times if not b.startswith("fusion")):
+        # plain fusion also against its variants (fusion-nchw, fusion-save, fusion-cg)
+        for o in (b for b in times if not b.startswith("fusion") or f == "fusion" != b):
             d = [x - y for x, y in zip(times[f], times[o])]
             if not d:
                 continue
@@ -352,7 +356,9 @@ def format_table(results) -> str:
             err = f"{r['max_err_vs_eager']:.2g}" if r["max_err_vs_eager"] is not None else "-"
             alloc = r.get("peak_allocated_bytes")
             alloc = f"{alloc / 2**20:.0f}" if alloc is not None else "-"
-            lines.append(f"{name:24s} {b:9s} {r['ms'] * 1e3:8.1f}us {r['speedup_vs_eager']:7.2f}x "
+            speedup = r["speedup_vs_eager"]     # None: eager not timed
+            speedup = f"{speedup:7.2f}x" if speedup is not None else "       -"
+            lines.append(f"{name:24s} {b:9s} {r['ms'] * 1e3:8.1f}us {speedup} "
                          f"{floor:>8s} {r['kernels_per_call']:8d} {r['cold_compile_s']:7.2f} "
                          f"{warm:>7s} {r['peak_mem_bytes'] / 2**20:8.0f} {alloc:>8s} {err:>9s}")
     return "\n".join(lines)

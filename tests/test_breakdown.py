@@ -294,11 +294,14 @@ def test_bench_rejects_a_bad_number_of_rounds(capsys, value):
 
 
 def test_paired_rounds_are_fusion_minus_each_other_backend():
+    """Each fusion backend against eager and Inductor; plain fusion also against its variants."""
     times = {"eager": [10.0, 12.0, 11.0, 30.0], "inductor": [5.0, 7.0, 6.0, 5.5],
              "fusion": [4.9, 7.2, 5.7, 5.4], "fusion-cg": [4.0, 4.0, 4.0, 4.0]}
     got = bench.paired(times)
     assert sorted(got) == ["fusion", "fusion-cg"]
-    assert sorted(got["fusion"]) == ["eager", "inductor"]
+    assert sorted(got["fusion"]) == ["eager", "fusion-cg", "inductor"]
+    assert sorted(got["fusion-cg"]) == ["eager", "inductor"]
+    assert got["fusion"]["fusion-cg"]["faster_rounds"] == 0
     ind = got["fusion"]["inductor"]
     # differences -0.1, +0.2, -0.3, -0.1: median of the even count -0.1, 3 of 4 faster
     assert ind["median_diff_ms"] == pytest.approx(-0.1)
@@ -324,6 +327,17 @@ def test_bench_run_prints_and_stores_the_paired_rounds(monkeypatch, tmp_path, ca
     assert json.loads((tmp_path / "b.json").read_text())["targets"]["toy"]["fusion"]["paired"]
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         bench.run([("toy", None, None, False)], ("eager", "fusion"), rounds=0)
+
+
+def test_bench_without_eager_prints_its_table(monkeypatch, capsys):
+    """No eager column: no speedup to print (session 46's first ResNet call failed here)."""
+    _fake_rows(monkeypatch)
+    doc = bench.run([("toy", None, None, False)], ("fusion", "fusion-nchw"), rounds=2)
+    assert doc["targets"]["toy"]["fusion"]["speedup_vs_eager"] is None
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("toy ")]
+    assert [(r[1], r[3]) for r in rows] == [("fusion", "-"), ("fusion-nchw", "-")]
+    assert doc["targets"]["toy"]["fusion"]["paired"]["fusion-nchw"]["rounds"] == 2
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU is visible: bench would run")
