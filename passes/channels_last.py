@@ -20,6 +20,11 @@ Whether to: Inductor's layout rules for inference (torch/_inductor/graph.py,
 ``decide_layout_opt``), measured by its authors over torchbench's convolutions, and ours:
 
 - no rewrite with dynamic shapes (Inductor saw regressions) or with fewer than 4-D inputs;
+- ours: no rewrite of a graph with one convolution. Its input is copied channels-last and its
+  output written back in eager's layout (or read by NCHW code after it): about the reads and
+  writes of the two transposes cuDNN would make, so nothing to win, and the NCHW kernels of
+  such graphs were measured (benchmarks/channels_first.py: LayerNorm2d after a 1 x 1
+  convolution, 98.5 us against Inductor's channels-last 175.6 us, session 45);
 - the convolutions' FLOPs weighted by the measured slowdown of channels-last for their kind
   (grouped with more than one input channel a group 1.358, at most 64 channels in and out
   0.783, at least twice as many input channels as output with a kernel larger than 1 x 1
@@ -104,6 +109,9 @@ def decide(convs: list, training: bool, devices) -> Decision:
         if not groups:
             return Decision(n, False, "a convolution's groups are not a constant")
         shapes.append((_kind(w, groups), out.numel() * w[0].numel() * 2))
+    if n < 2:
+        return Decision(n, False, "one convolution (copying its input in and its output back "
+                        "costs what cuDNN's transposes do)")
     if training:
         return Decision(n, False, "a training graph (its reductions read channels-last rows "
                         "4x slower)")

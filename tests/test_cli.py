@@ -69,6 +69,12 @@ def bad_matmul(device="cpu"):
     return (lambda x: x @ torch.ones(3, 3)), (torch.ones(2, 4),)
 
 
+def conv_net(device="cpu", dtype=torch.float32):
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 96, 3), torch.nn.ReLU(),
+                              torch.nn.Conv2d(96, 96, 1))
+    return net.to(device, dtype), (torch.randn(2, 3, 9, 9, device=device, dtype=dtype),)
+
+
 NOT_A_FUNCTION = 5
 '''
 
@@ -100,7 +106,8 @@ TOP = {"schema": str, "version": str, "target": str, "factory": str, "options": 
        "factory_kwargs": dict, "graphs": list}
 OPTIONS = {"device": str, "dtype": (str, type(None)), "dynamic": bool, "training": bool,
            "profile": str, "code": bool, "measure": bool}
-GRAPH = {"index": int, "kind": str, "profile": str, "ran_kernels": bool, "groups": list,
+GRAPH = {"index": int, "kind": str, "profile": str, "layout": (str, type(None)),
+         "ran_kernels": bool, "groups": list,
          "aten_ops": list, "refused": list, "edges": list, "totals": dict, "kernels": list}
 GROUP = {"id": int, "label": str, "ops": list, "nodes": list, "inputs": list, "outputs": list,
          "bytes_unfused": int, "bytes_fused": int, "launches_saved": int, "time_unfused_us": NUM,
@@ -284,6 +291,19 @@ def test_training_dumps_forward_and_backward(capsys):
     check_schema(doc)
     assert [g["kind"] for g in doc["graphs"]] == ["forward", "backward"]
     assert doc["graphs"][1]["groups"]
+
+
+def test_dump_says_how_convolutions_are_laid_out(capsys, tiny):
+    """The layout pass's decision, in the table and the JSON (passes/channels_last.py)."""
+    rc, out, err = dump(capsys, f"{tiny}:conv_net")
+    assert rc == 0, err
+    note = "channels-last: 2 convolutions, estimated time channels-last 0.82x of contiguous"
+    assert f"convolution activations: {note} (passes/channels_last.py)" in out
+    doc = dump_json(capsys, f"{tiny}:conv_net", "--training")
+    check_schema(doc)
+    assert [g["layout"] for g in doc["graphs"]] == [
+        "as traced: a training graph (its reductions read channels-last rows 4x slower)"] * 2
+    assert dump_json(capsys, tiny)["graphs"][0]["layout"] is None        # no convolution
 
 
 def test_profile_changes_estimated_times(capsys, tiny, monkeypatch):
