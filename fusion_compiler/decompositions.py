@@ -72,6 +72,28 @@ def _ops(names):
     return out
 
 
+CHUNK = 128     # rows a partial sum over leading dims covers (passes/column_sums.py)
+
+
+def splits(rows: int) -> int:
+    """How many chunks ``rows`` rows are summed in, each to a partial sum: a power of two that
+    divides ``rows`` with chunks of at least ``CHUNK`` rows (1: one sum). Here for the AOT
+    cache's namespace, as ``lead_and_trail``."""
+    s = 1
+    while rows % (2 * s) == 0 and rows // (2 * s) >= CHUNK:
+        s *= 2
+    return s
+
+
+def reduced_last(x, reduced: list, kept: list):
+    """``x`` permuted to [*reduced, *kept] where that view is contiguous (a channels-last
+    tensor's N, H, W before its C), else None."""
+    if not kept or math.prod(x.shape[d] for d in kept) < 2:
+        return None
+    view = x.permute(reduced + kept)
+    return view if view.is_contiguous() else None
+
+
 def lead_and_trail(nd: int, dims) -> tuple | None:
     """(lead, trail) where ``dims`` are the first dims of a rank-``nd`` tensor and its last
     ones, some kept between them (BatchNorm's [0], [2, 3] of [N, C, H, W]); else None. Here,
@@ -92,7 +114,14 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
     each row of the trailing dims' elements has its mean m_i and its sum of squared
     deviations M2_i, one row kernel that reads x once; then over the leading dims the mean
     is the mean of the m_i (rows of equal length) and M2 = sum(M2_i + t * (m_i - mean)^2),
-    with t elements a row: small sums over [L, C] (passes/column_sums.py)."""
+    with t elements a row: small sums over [L, C] (passes/column_sums.py).
+
+    Where the kept dims lie innermost in memory (channels-last BatchNorm), a channel's values
+    over the trailing dims lie C apart, and a row kernel holding whole rows holds few
+    channels, so it reads runs of a few bytes (4x slower on ResNet-50's statistics, session
+    46). There the reduced dims are one dimension of R values a column: its chunks of R / S
+    (``splits``) are the rows, consecutive channels side by side, and the chunks' means and
+    M2 combine over S as above."""
     dims = list(range(x.ndim)) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
     n = 1
     for d in dims:
@@ -106,7 +135,13 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
         m2 = torch.sum((xf - mean) * (xf - mean), dims, keepdim=keepdim)
     else:
         lead, trail = split
-        rows = math.prod(x.shape[d] for d in lead)
+        kept = [d for d in range(x.dim()) if d not in lead and d not in trail]
+        columns = reduced_last(xf, lead + trail, kept)
+        if columns is not None:     # [S, kept, R / S]: rows C apart, channels side by side
+            s, width = splits(n), math.prod(x.shape[d] for d in kept)
+            xf = columns.reshape(s, n // s, width).permute(0, 2, 1)
+            lead, trail = [0], [2]
+        rows = math.prod(xf.shape[d] for d in lead)
         row_mean = torch.mean(xf, trail, keepdim=True)
         dev = xf - row_mean
         row_m2 = torch.sum(dev * dev, trail, keepdim=True)
@@ -116,6 +151,9 @@ def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
             mean = torch.sum(row_mean, lead, keepdim=True) / rows
             spread = row_mean - mean
             m2 = torch.sum(row_m2 + (n // rows) * (spread * spread), lead, keepdim=True)
+        if columns is not None:     # back to x's dims: kept in place, the reduced of size 1
+            shape = [x.shape[d] if d in kept else 1 for d in range(x.dim())]
+            mean, m2 = mean.reshape(shape), m2.reshape(shape)
         if not keepdim:
             m2 = torch.squeeze(m2, dims)
     var = m2 / max(n - correction, 0)

@@ -13,7 +13,7 @@ elements lying C apart, consecutive rows side by side (strided rows: a program r
 columns), which takes the producers of x with it, and x itself where the graph needs it (stored
 where the permuted view reads each element: ``row_outputs.pulled``); its S partial sums a column
 stay in fp32, and the second, small sum adds them. S splits the rows into chunks of about
-``CHUNK`` so the first kernel has programs for every SM. Rows that allow no split (fewer
+``decompositions.CHUNK`` so the first kernel has programs for every SM. Rows that allow no split (fewer
 than 2 x ``CHUNK``, or an odd count) take one sum.
 
 A mean over leading dims (BatchNorm1d's statistics over [N, C]) is the same sum divided by
@@ -25,22 +25,13 @@ import math
 
 import torch
 
+from ..decompositions import splits
 from .pad_gemm import _val, emit
 
 aten = torch.ops.aten
 
-CHUNK = 128     # rows a partial sum covers
 # node.meta key of the sums made here: "partials", "total" or "sum" (unsplit); dump's labels
 MARK = "fc_column_sum"
-
-
-def splits(rows: int) -> int:
-    """How many chunks the rows are summed in: a power of two that divides ``rows`` with
-    chunks of at least ``CHUNK`` rows (1: one sum)."""
-    s = 1
-    while rows % (2 * s) == 0 and rows // (2 * s) >= CHUNK:
-        s *= 2
-    return s
 
 
 def mergeable(x: torch.Tensor, first: int, last: int) -> bool:

@@ -13,6 +13,13 @@ elements (contiguous for NCHW, C apart for channels-last) that takes x's produce
 the second over the leading dims of that small fp32 result, which column_sums makes a sum of
 rows. Eager's reduction accumulates in fp32 and rounds once; so does this. Sums and means of
 float inputs other than fp64, static sizes, no ``dtype=``, the trailing dims a view of one.
+
+Where the kept dims lie innermost in memory (channels-last: [N, C, H, W] with C at stride 1),
+rows over the trailing dims would lie C apart and be long, so a program would hold few of them
+and read runs of a few bytes. There the reduction is one over the leading dims of the view
+[N, H, W, C] (contiguous), which column_sums makes a split sum of rows of C side by side:
+
+    x [N, C, H, W] (channels-last)  ->  permute [N, H, W, C]  ->  sum([0, 1, 2])  ->  column_sums
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import math
 
 import torch
 
-from ..decompositions import lead_and_trail
+from ..decompositions import lead_and_trail, reduced_last
 from .column_sums import mergeable
 from .pad_gemm import emit
 from .trailing_dims import reduced, unfit
@@ -65,26 +72,41 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             continue
         x, a, b, _ = found
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        mode = x.fake_mode
         with gm.graph.inserting_before(node):
-            src = node.args[0]
-            if x.dtype != torch.float32:
-                src = emit(gm, prims.convert_element_type.default, (src, torch.float32), mode)
-            inner = emit(gm, aten.sum.dim_IntList, (src, list(range(b, x.dim()))), mode)
-            if math.prod(x.shape[:a]) == 1:     # leading dims of size 1: nothing to add
-                out = emit(gm, aten.view.default, (inner, list(x.shape[a:b])), mode)
+            reduced = list(range(a)) + list(range(b, x.dim()))
+            if reduced_last(x, reduced, list(range(a, b))) is not None:
+                out = _over_columns(gm, node, x, reduced, list(range(a, b)))
             else:
-                out = emit(gm, aten.sum.dim_IntList, (inner, list(range(a))), mode)
-            if node.target is aten.mean.dim:
-                out = emit(gm, aten.div.Tensor, (out, math.prod(x.shape[:a] + x.shape[b:])),
-                           mode)
-            if x.dtype != torch.float32:
-                out = emit(gm, prims.convert_element_type.default, (out, x.dtype), mode)
+                out = _over_rows(gm, node, x, a, b)
             if keepdim:
                 out = emit(gm, aten.view.default,
-                           (out, [1] * a + list(x.shape[a:b]) + [1] * (x.dim() - b)), mode)
+                           (out, [1] * a + list(x.shape[a:b]) + [1] * (x.dim() - b)), x.fake_mode)
         out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         done += 1
     return done
+
+
+def _over_columns(gm, node, x, reduced, kept):
+    """Channels-last: the sum or mean over the leading dims of the contiguous view
+    [*reduced, *kept], which column_sums rewrites."""
+    view = emit(gm, aten.permute.default, (node.args[0], reduced + kept), x.fake_mode)
+    return emit(gm, node.target, (view, list(range(len(reduced)))), x.fake_mode)
+
+
+def _over_rows(gm, node, x, a, b):
+    """An fp32 sum over the trailing dims, then one over the leading dims, in x's dtype."""
+    mode, src = x.fake_mode, node.args[0]
+    if x.dtype != torch.float32:
+        src = emit(gm, prims.convert_element_type.default, (src, torch.float32), mode)
+    inner = emit(gm, aten.sum.dim_IntList, (src, list(range(b, x.dim()))), mode)
+    if math.prod(x.shape[:a]) == 1:     # leading dims of size 1: nothing to add
+        out = emit(gm, aten.view.default, (inner, list(x.shape[a:b])), mode)
+    else:
+        out = emit(gm, aten.sum.dim_IntList, (inner, list(range(a))), mode)
+    if node.target is aten.mean.dim:
+        out = emit(gm, aten.div.Tensor, (out, math.prod(x.shape[:a] + x.shape[b:])), mode)
+    if x.dtype != torch.float32:
+        out = emit(gm, prims.convert_element_type.default, (out, x.dtype), mode)
+    return out

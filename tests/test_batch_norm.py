@@ -51,12 +51,17 @@ def test_eval_batch_norm_relu_and_residual_are_one_kernel(dtype, channels_last, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape, channels_last", [
-    ((4, 6, 5, 7), False), ((4, 6, 5, 7), True), ((3, 6, 11), False), ((2, 6, 3, 4, 5), True)],
-    ids=["nchw", "nhwc", "ncl", "ncdhw-last"])
-def test_training_statistics_take_three_kernels(dtype, shape, channels_last, device):
+@pytest.mark.parametrize("shape, channels_last, kernels", [
+    ((4, 6, 5, 7), False, 3), ((4, 6, 5, 7), True, 1), ((8, 6, 8, 8), True, 3),
+    ((3, 6, 11), False, 3), ((2, 6, 3, 4, 5), True, 1)],
+    ids=["nchw", "nhwc", "nhwc-split", "ncl", "ncdhw-last"])
+def test_training_statistics(dtype, shape, channels_last, kernels, device):
     """Training mode under no_grad: the batch's statistics, the running ones updated in place
-    (momentum 0.1, the variance unbiased) as eager updates them."""
+    (momentum 0.1, the variance unbiased) as eager updates them. NCHW: each (n, c) row's mean
+    and squared deviations; their combination over N with the running statistics; the output
+    with its ReLU. Channels-last: the rows are a channel's N x H x W values, C apart, in
+    chunks of at least 128 (decompositions.splits): one chunk, one kernel for all of it; two
+    (512 values), the chunks' statistics, their combination and the output."""
     x = _layout(randn(shape, dtype, device) * 2 + 0.5, channels_last)
     w, b, rm, rv = _stats(6, dtype, device)
     ours, theirs = (rm.clone(), rv.clone()), (rm.clone(), rv.clone())
@@ -66,9 +71,7 @@ def test_training_statistics_take_three_kernels(dtype, shape, channels_last, dev
     with torch.no_grad():
         out, reports = compile_and_run(f, (x, w, b, *ours))
         expected = f(x, w, b, *theirs)
-    # each row's mean and squared deviations; their combination over N with the running
-    # statistics; the output with its ReLU
-    assert kernel_count(reports) == 3 and leftover_aten(reports) == []
+    assert kernel_count(reports) == kernels and leftover_aten(reports) == []
     assert out.stride() == expected.stride()
     assert_close(out, expected, dtype=dtype)
     assert_close(ours[0], theirs[0], dtype=dtype, name="running mean")
@@ -138,8 +141,11 @@ def test_a_resnet_block_trains(dtype, channels_last, device):
     eager, exact = step(lambda m: m, dtype), step(lambda m: m, torch.float64)
     assert leftover_aten(reports, "forward") == ["aten.convolution.default"] * 2
     assert leftover_aten(reports, "backward") == ["aten.convolution_backward.default"] * 2
-    assert kernel_count(reports, "forward") == 2 * (3 + 1)
-    assert kernel_count(reports, "backward") == 2 * 3 + 1
+    # channels-last: a BN's statistics, their combination and its output in one kernel over
+    # rows of its channels' 105 values (one chunk), forward and backward
+    per_bn = 1 if channels_last else 3
+    assert kernel_count(reports, "forward") == 2 * (per_bn + 1)
+    assert kernel_count(reports, "backward") == 2 * per_bn + 1
     atol, rtol = TOL[dtype]
     names = ["output", "x grad"] + [n for n, _ in base.named_parameters()] + [
         n for n, b in base.named_buffers() if b.is_floating_point()]
@@ -184,8 +190,9 @@ def test_instance_norm_and_a_batch_of_one(dtype, device):
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_sums_over_leading_and_trailing_dims(dtype, channels_last, device):
     """sum(g * h, [0, 2, 3]) and mean(g, [0, 2, 3], keepdim) (a BN's weight and bias
-    gradients): rows over H x W in one kernel with the product, their sums over N in a
-    second; fp32 in between, rounded once."""
+    gradients): NCHW, rows over H x W in one kernel with the product, their sums over N in a
+    second; fp32 in between, rounded once. Channels-last: column sums of the [N*H*W, C] view,
+    both in one kernel (140 rows: one chunk)."""
     g = _layout(randn((4, 6, 5, 7), dtype, device), channels_last)
     h = _layout(randn((4, 6, 5, 7), dtype, device), channels_last)
 
@@ -194,7 +201,7 @@ def test_sums_over_leading_and_trailing_dims(dtype, channels_last, device):
     (a, b), reports = compile_and_run(f, (g, h))
     ea, eb = f(g, h)
     assert leftover_aten(reports) == []
-    assert kernel_count(reports) == 2
+    assert kernel_count(reports) == (1 if channels_last else 2)
     assert_close(a, ea, dtype=dtype, name="sum")
     assert_close(b, eb, dtype=dtype, name="mean, keepdim")
 
