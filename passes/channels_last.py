@@ -31,12 +31,13 @@ Whether to: Inductor's layout rules for inference (torch/_inductor/graph.py,
   0.725, others 0.823); rewrite where the weighted sum is at most the plain one;
 - ours: no rewrite of training graphs, nor of graphs with per-channel statistics over H and W
   (batch norm with batch statistics, group norm, instance norm) or with more than one mean or
-  sum over H and W (a global pool once, at the end, is cheap). Our kernels reduce a channel's
+  sum over H and W (a global pool once, at the end, is cheap). Our kernels reduced a channel's
   H x W values as a row; channels-last puts them C elements apart, and such rows read 4x
   slower: ResNet-50's training step took 34.6 ms channels-last against 27.3 ms NCHW (H200,
-  bf16, batch 128, session 46), its row kernels 19.7 ms against 4.9 ms. Training graphs are
-  refused as a whole: besides the statistics, their weight gradients' column sums were not
-  measured channels-last.
+  bf16, batch 128, session 46), its row kernels 19.7 ms against 4.9 ms. Batch statistics and
+  sums over [0, 2, 3] of channels-last tensors are now column sums of the [N*H*W, C] view
+  (decompositions.var_mean_correction, outer_dims), not yet measured; until they are, these
+  graphs keep their layout. Group and instance norm still reduce such rows.
 
 The rewritten graph is run on fake tensors before it is kept: a view that channels-last strides
 cannot give (``x.view(n, -1)`` of an NCHW activation) raises there, and the graph is restored.
