@@ -144,7 +144,8 @@ class PointwiseLowering:
             printed = [p if isinstance(p, Var) or not isinstance(p, float)
                        else torch.tensor(p, dtype=tensors[0].dtype).item() for p in printed]
         names = [self._as(p, ct) if p is not None else None for p in printed]
-        kwargs = {k: ops.literal(v, ct) for k, v in op.kwargs if isinstance(v, (int, float))}
+        kwargs = {k: ops.literal(v, ct) if isinstance(v, (int, float)) else v
+                  for k, v in op.kwargs if isinstance(v, (int, float, str))}
         expr = self._by_shared_divisor(op, printed, names, ct) or ops.POINTWISE[t](names, kwargs, ct)
         dtype = torch.bool if is_compare else out.dtype
         guard = is_product(expr) and vid in self.summed

@@ -71,6 +71,33 @@ def _div(a, b, ct):
     return f"({a} / {b})"
 
 
+def _int_div(a, b, ct, mode, remainder=False):
+    """Integer ``div(a, b, rounding_mode=mode)`` or ``remainder(a, b)`` (the remainder of the
+    floor division, with the divisor's sign). Triton's ``//`` and ``%`` on integers are C's
+    (truncation, the dividend's sign), on the GPU and in the interpreter alike; floor division
+    is one less where the remainder is nonzero and its sign differs from the divisor's. Floats
+    stay on ATen: a rounded quotient of ``/`` (div.full.f32, 2 ulp) could land on the wrong
+    side of an integer. A literal zero divisor too: ATen's error, not a kernel's garbage."""
+    if ct.is_floating_point or ct == torch.bool:
+        raise NotFusable(f"{'remainder' if remainder else f'{mode} division'} of {ct} values "
+                         "stays on ATen")
+    if mode not in ("trunc", "floor"):
+        raise NotFusable(f"division with rounding mode {mode!r} of integers")
+    literal_b = b.lstrip("-").isdigit()
+    if literal_b and int(b) == 0:
+        raise NotFusable("integer division by a literal zero stays on ATen (its error)")
+    quotient, rem = f"({a} // {b})", f"({a} % {b})"
+    if mode == "trunc" and not remainder:
+        return quotient
+    if literal_b:
+        wrong = f"({rem} < 0)" if int(b) > 0 else f"({rem} > 0)"
+    else:
+        wrong = f"(({rem} != 0) & (({rem} < 0) != ({b} < 0)))"
+    if remainder:
+        return f"tl.where({wrong}, {rem} + {b}, {rem})"
+    return f"tl.where({wrong}, {quotient} - 1, {quotient})"
+
+
 # scalar exponents _pow writes as a product, a square root, a division or a reciprocal square
 # root (an instruction or two an element); any other exponent is libdevice's powf
 CHEAP_EXPONENTS = (1, 2, 3, 0.5, -1, -0.5)
@@ -135,6 +162,10 @@ POINTWISE = {
     "aten.mul.Scalar": lambda a, k, ct: f"({a[0]} * {a[1]})",
     "aten.div.Tensor": lambda a, k, ct: _div(a[0], a[1], ct),
     "aten.div.Scalar": lambda a, k, ct: _div(a[0], a[1], ct),
+    "aten.div.Tensor_mode": lambda a, k, ct: _int_div(a[0], a[1], ct, k.get("rounding_mode")),
+    "aten.div.Scalar_mode": lambda a, k, ct: _int_div(a[0], a[1], ct, k.get("rounding_mode")),
+    "aten.remainder.Tensor": lambda a, k, ct: _int_div(a[0], a[1], ct, "floor", True),
+    "aten.remainder.Scalar": lambda a, k, ct: _int_div(a[0], a[1], ct, "floor", True),
     "aten.neg.default": lambda a, k, ct: f"(-{a[0]})",
     "aten.abs.default": lambda a, k, ct: f"tl.abs({a[0]})",
     "aten.exp.default": lambda a, k, ct: f"tl.exp({a[0]})",

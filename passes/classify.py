@@ -30,6 +30,7 @@ class OpKind(enum.Enum):
 _POINTWISE = [
     aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar,
     aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode,
+    aten.div.Scalar_mode, aten.remainder.Tensor, aten.remainder.Scalar,
     aten.neg.default, aten.abs.default, aten.exp.default, aten.exp2.default, aten.expm1.default,
     aten.log.default, aten.log2.default, aten.log1p.default, aten.sqrt.default,
     aten.rsqrt.default, aten.reciprocal.default, aten.sin.default, aten.cos.default,

@@ -266,3 +266,37 @@ def test_division_by_a_shared_divisor(divisor, dtype, device):
     assert kernel_count(reports) == 1
     assert_close(out, fn(x, s), dtype)
     assert ("fl.div_shared(" in _kernel_source(reports)) == (divisor != "element")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8], ids=str)
+def test_integer_floor_and_trunc_division_and_remainder_are_eagers(dtype, device):
+    """Integer ``//``, ``div(rounding_mode=...)`` and ``%`` in one kernel, exactly as eager:
+    Triton's ``//`` and ``%`` truncate (C's), eager's floor division and remainder follow the
+    divisor's sign. Negative dividends and divisors, by tensors and by literals."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-60, 60, (37, 5), generator=g, dtype=dtype).to(device)
+    b = torch.randint(1, 9, (37, 5), generator=g, dtype=dtype)
+    b = (b * torch.where(torch.rand(37, 5, generator=g) < 0.5, -1, 1).to(dtype)).to(device)
+
+    def f(a, b):
+        return (torch.div(a, b, rounding_mode="floor") + 1,
+                torch.div(a, b, rounding_mode="trunc") * 2,
+                torch.remainder(a, b) + 1, a % 3 - 1, a // -4 + 1, torch.remainder(a, -3) * 1,
+                a // 5 * 1, torch.div(a, 7, rounding_mode="trunc") - 1)
+    out, reports = compile_and_run(f, (a, b))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    for k, (got, want) in enumerate(zip(out, f(a, b))):
+        assert torch.equal(got, want), f"output {k}: {got} != {want}"
+
+
+def test_float_floor_division_stays_on_aten(device):
+    """A float floor division: ``/`` within 2 ulp could land on the wrong side of an
+    integer, so ATen computes it; what reads it still fuses."""
+    a = torch.randn(9, 11, device=device) * 50
+    b = torch.randn(9, 11, device=device) + 3
+
+    def f(a, b):
+        return torch.div(a * 2, b, rounding_mode="floor") + 1
+    out, reports = compile_and_run(f, (a, b))
+    assert leftover_aten(reports) == ["aten.div.Tensor_mode"]
+    assert torch.equal(out, f(a, b))
