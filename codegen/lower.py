@@ -243,6 +243,12 @@ class Lowering(PointwiseLowering):
 
     # ------------------------------------------------------------------ values
     def value(self, vid: int, index: tuple, preds: frozenset) -> Var:
+        if preds and vid < len(self.ir.inputs) and self._in_bounds(vid, index):
+            # the predicates of a cat's or a pad's range guard loads that could leave the
+            # tensor; this one cannot, and its value is discarded where they are false. Loaded
+            # once for every range that reads it there (a BatchNorm's weight, read by a max
+            # pool's nine windows through a pad: once, not nine times)
+            preds = frozenset()
         key = (vid, index, preds)
         if key in self.memo:
             return self.memo[key]
@@ -252,6 +258,13 @@ class Lowering(PointwiseLowering):
             var = self._op(vid, self.ir.ops[vid - len(self.ir.inputs)], index, preds)
         self.memo[key] = var
         return var
+
+    def _in_bounds(self, vid: int, index: tuple) -> bool:
+        """Whether ``index`` lies inside value ``vid`` wherever the kernel iterates: each
+        component 0 or an iteration symbol whose range is that dimension's size."""
+        shape = self.ir.values[vid].shape
+        return len(index) == len(shape) and all(
+            e == 0 or self.ranges.get(e) == n for e, n in zip(index, shape))
 
     def _load(self, in_id, index, preds, stride, base):
         if self.ir.inputs[in_id].host_scalar:     # passed by value: no memory access
