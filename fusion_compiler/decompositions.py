@@ -10,6 +10,8 @@ pointwise ops and last-dim reductions the code generator fuses:
     var_mean.correction, var.correction -> our form below: mean, then squared deviations (no prims)
     linalg_vector_norm (2-norm)       -> sqrt of a sum of squares (fp32 for bf16/fp16)
     repeat                            -> a reshape of an expand (index arithmetic)
+    max_pool2d_with_indices (+ backward) -> strided slices of the padded input, maximum and
+                                         where (max_pool.py): two bytes an output value kept
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
     batch norm (training, eval)       -> PyTorch's: var_mean over [0, 2, ...] (in fp32), then
@@ -28,6 +30,7 @@ import math
 import torch
 from torch._decomp import get_decompositions
 
+from . import max_pool
 from .codegen.triton_lib import interpreting
 from .config import Config
 
@@ -269,6 +272,9 @@ def _table() -> dict:
     table[aten.native_group_norm.default] = native_group_norm
     table[aten.repeat.default] = repeat
     table.update({op: _on_kernels(fn) for op, fn in get_decompositions(_ops(_BATCH_NORM)).items()})
+    table[aten.max_pool2d_with_indices.default] = _on_kernels(max_pool.max_pool2d_with_indices)
+    table[aten.max_pool2d_with_indices_backward.default] = _on_kernels(
+        max_pool.max_pool2d_with_indices_backward)
     return table
 
 

@@ -225,6 +225,8 @@ def label(group) -> str:
     parts = []
     # ops traced from a batch norm's decomposition carry it (make_fx's ``original_aten``)
     batch_norm = any("batch_norm" in str(n.meta.get("original_aten")) for n in group.members)
+    # a pool (fusion_compiler/max_pool.py): its integer window positions are not a dequant
+    pool = any("max_pool2d" in str(n.meta.get("original_aten")) for n in group.members)
     if {"amax", "exp", "sum"} <= ops:
         parts.append("softmax")
     elif batch_norm:
@@ -248,9 +250,11 @@ def label(group) -> str:
         parts.append("gelu")            # exact, or tanh's approximation (its cubic's factor)
     elif "tanh" in ops:
         parts.append("tanh")            # e.g. Gemma 2's soft-capping of attention scores
+    if pool:
+        parts.append("maxpool")
     if out_dtypes & fp8:
         parts.append("quant")
-    if in_dtypes & ({torch.int8, torch.uint8} | fp8) and not out_dtypes & fp8:
+    if in_dtypes & ({torch.int8, torch.uint8} | fp8) and not out_dtypes & fp8 and not pool:
         parts.append("dequant")
     if any(n.meta.get("fc_column_sum") for n in group.members):    # passes/column_sums.py
         parts.append("column sum")

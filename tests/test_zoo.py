@@ -131,7 +131,7 @@ ZOO = {
     # shortcut's BN in the same kernel as the block's last; the pooling mean over H, W
     "resnet": ("ResNetConfig", "ResNetModel", dict(embedding_size=16, hidden_sizes=[16, 32],
                                                    depths=[1, 1], layer_type="basic"),
-               "pixels", {"batchnorm": 5}),
+               "pixels", {"batchnorm": 4, "batchnorm+maxpool": 1}),
     # window partitions: a LayerNorm's output written as windows (statistics and normalisation
     # in two kernels); the pooling mean over the tokens is a row reduction
     "swin": ("SwinConfig", "SwinModel", dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2],

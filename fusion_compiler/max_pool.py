@@ -1,0 +1,183 @@
+"""Max pooling as ops the code generator fuses: decompositions of ``max_pool2d_with_indices``
+and its backward (the decomposition table, decompositions.py).
+
+ATen's max pool is a kernel of its own, forward and backward: ResNet-50's stem pool at batch
+128 took 417 us forward and 1133 us backward on the H200, Inductor's generated ones 187 and
+729 us (session 46). Its forward writes int64 indices, 8 bytes for each output value, and its
+backward is given the pool's input, which the forward must then keep for it.
+
+Forward. Each window position (i, j) of a kh x kw window is a strided slice of the input padded
+with -inf (index arithmetic in a kernel), and the value is the running ``maximum`` of the
+kh * kw slices: NaN wherever the window holds one, as ATen's. The kernel that computes the
+pool's input (a BatchNorm's normalisation and ReLU) computes it at each of those reads, so
+that input need not be written at all. ATen's index is the window's first position, a
+constant of the output position, plus where in the window the maximum lies, a second running
+value:
+
+    code = where((v > best) | isnan(v), i * dh * W + j * dw, code)   before best = maximum(best, v)
+
+the first of equal maxima, the last NaN, as ATen's loop takes them (a value replaces the
+maximum if it is greater or NaN). A window whose values are all -inf keeps ATen's first
+position inside the input, which -inf padding never beats (neither greater nor NaN). ``code``
+is int16 (int32 for rows of over 16K values), two bytes an output value where the index takes
+eight; a training graph's backward needs the index, which aot_autograd's min-cut partitioner
+then recomputes from ``code``. Inference graphs compute neither: nothing reads the index.
+
+Backward. ATen scatters each output's gradient to the input position its index names. Here
+the gradient of the input is a sum over the window positions (i, j): the output gradients
+whose index is that position's, spread to where the position lands, ``oh * sh + i * dh`` of
+the padded input (zeros between: an unsqueeze, a constant pad and a reshape, index arithmetic
+again), summed in fp32 (ATen's CUDA kernel accumulates in fp32 too) and the padding sliced
+off. Pointwise over the input's gradient (in ResNet's backward, inside the kernel of the
+BatchNorm's backward), reading the output gradient and the index at most kh * kw times an
+element, all of them masked off but the windows that hold it
+(four of nine for ResNet's 3 x 3 windows at stride 2). It compares ``index - base`` with
+``i * dh * W + j * dw``: where the index is recomputed in the kernel, ``(base + code) -
+base``, one load of ``base`` (the same constant) and the GPU compiler's to reduce to ``code``.
+It does not read the pool's input: the forward need not keep it.
+
+Left to ATen (NotImplemented: traced as it is): integer inputs, symbolic sizes, windows of
+over ``MAX_WINDOW`` positions, arguments ATen would refuse (its error), and inputs other than
+[C, H, W] or [N, C, H, W].
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+# the most window positions decomposed (Inductor's limit too: 5 x 5); wider windows, a global
+# max pool written as one, keep ATen's op
+MAX_WINDOW = 25
+
+
+def _pair(v, default=None) -> tuple | None:
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return default
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return (v[0], v[0]) if len(v) == 1 else v if len(v) == 2 else None
+
+
+def geometry(x, kernel_size, stride, padding, dilation, ceil_mode):
+    """``((kh, kw), (sh, sw), (ph, pw), (dh, dw), (OH, OW))`` for a pool this module
+    decomposes, else None."""
+    if x.dim() not in (3, 4) or not x.dtype.is_floating_point:
+        return None
+    if not all(isinstance(s, int) for s in x.shape):
+        return None                 # symbolic sizes: ATen's op
+    k = _pair(kernel_size)
+    s = _pair(stride, k)
+    p = _pair(padding, (0, 0))
+    d = _pair(dilation, (1, 1))
+    if None in (k, s, p, d) or not all(isinstance(v, int) for t in (k, s, p, d) for v in t):
+        return None
+    if min(k) < 1 or min(s) < 1 or min(d) < 1 or min(p) < 0:
+        return None
+    if k[0] * k[1] > MAX_WINDOW:
+        return None                 # a slice and a maximum each: the graph would grow
+    out = []
+    for n, kk, ss, pp, dd in zip(x.shape[-2:], k, s, p, d):
+        span = dd * (kk - 1) + 1
+        if pp * 2 > span:
+            return None             # ATen's error: pad should be at most half the kernel
+        o = (n + 2 * pp - span + (ss - 1 if ceil_mode else 0)) // ss + 1
+        if ceil_mode and (o - 1) * ss >= n + pp:
+            o -= 1                  # the last window must start inside the input or left pad
+        if o < 1:
+            return None
+        out.append(o)
+    return k, s, p, d, tuple(out)
+
+
+def _windows(xp, k, s, d, out):
+    """The kh * kw strided slices of padded ``xp``, window position (i, j) first by i."""
+    for i in range(k[0]):
+        rows = aten.slice(xp, -2, i * d[0], i * d[0] + s[0] * (out[0] - 1) + 1, s[0])
+        for j in range(k[1]):
+            yield i, j, aten.slice(rows, -1, j * d[1], j * d[1] + s[1] * (out[1] - 1) + 1, s[1])
+
+
+def _right_pads(x, k, s, p, d, out):
+    """Padding after the input along H and W: p, or more where ceil_mode's last window
+    reaches past it."""
+    return tuple(max(pp, (o - 1) * ss + dd * (kk - 1) + 1 - n - pp)
+                 for n, kk, ss, pp, dd, o in zip(x.shape[-2:], k, s, p, d, out))
+
+
+def _base(x, s, p, out):
+    """ATen's index of each window's first position, h * W + w of the input (negative, or
+    past a row's end, where the window starts in the padding)."""
+    rows = torch.arange(out[0], device=x.device).view(out[0], 1) * s[0] - p[0]
+    cols = torch.arange(out[1], device=x.device) * s[1] - p[1]
+    return rows, cols, rows * x.shape[-1] + cols
+
+
+def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """``(values, indices)`` as ATen's (module docstring)."""
+    got = geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
+    if got is None:
+        return NotImplemented
+    k, s, p, d, out = got
+    right = _right_pads(x, k, s, p, d, out)
+    xp = aten.constant_pad_nd(x, [p[1], right[1], p[0], right[0]], float("-inf"))
+    rows, cols, base = _base(x, s, p, out)
+    width = x.shape[-1]
+    # where each window position lies from the window's start: i * dh * W + j * dw
+    step = [[i * d[0] * width + j * d[1] for j in range(k[1])] for i in range(k[0])]
+    small = torch.int16 if step[-1][-1] < 2 ** 15 else torch.int32
+    # the window's first position inside the input: ATen's index where no value beats -inf
+    first = ((-rows).clamp_min(0) + d[0] - 1) // d[0] * d[0] * width \
+        + ((-cols).clamp_min(0) + d[1] - 1) // d[1] * d[1]
+    best = code = None
+    for i, j, v in _windows(xp, k, s, d, out):
+        if best is None:
+            code = torch.where((v > float("-inf")) | torch.isnan(v), 0, first.to(small))
+            best = v
+            continue
+        code = torch.where((v > best) | torch.isnan(v), step[i][j], code)
+        best = torch.maximum(best, v)
+    return best, base + code.to(torch.int64)
+
+
+def _spread(t, dim: int, step: int, shift: int, length: int):
+    """``t`` along ``dim`` with its element m at ``m * step + shift`` of a dimension of
+    ``length``, zeros elsewhere: index arithmetic (unsqueeze, constant pad, reshape, pad,
+    slice), no scatter."""
+    dim %= t.dim()
+    n = t.shape[dim]
+    q, r = divmod(shift, step)
+    u = t.unsqueeze(dim + 1)
+    pads = [0] * (2 * u.dim())             # constant_pad_nd pads from the last dim back
+    pads[2 * (u.dim() - 2 - dim)], pads[2 * (u.dim() - 2 - dim) + 1] = r, step - 1 - r
+    u = aten.constant_pad_nd(u, pads, 0)
+    u = u.reshape(t.shape[:dim] + (n * step,) + t.shape[dim + 1:])
+    pads = [0] * (2 * t.dim())
+    pads[2 * (t.dim() - 1 - dim)] = q * step
+    pads[2 * (t.dim() - 1 - dim) + 1] = max(0, length - (n + q) * step)
+    u = aten.constant_pad_nd(u, pads, 0)
+    return aten.slice(u, dim, 0, length)
+
+
+def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
+                                     ceil_mode, indices):
+    """The gradient of the pool's input, as ATen's (module docstring)."""
+    got = geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
+    if got is None or tuple(grad.shape[-2:]) != got[4] or indices.shape != grad.shape:
+        return NotImplemented
+    k, s, p, d, out = got
+    height, width = x.shape[-2:]
+    right = _right_pads(x, k, s, p, d, out)
+    base = _base(x, s, p, out)[2]
+    offset = indices - base        # code, where the forward's index is computed here
+    acc = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    total = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            g = torch.where(offset == i * d[0] * width + j * d[1], acc, 0.0)
+            g = _spread(g, -2, s[0], i * d[0], height + p[0] + right[0])
+            g = _spread(g, -1, s[1], j * d[1], width + p[1] + right[1])
+            total = g if total is None else total + g
+    total = aten.slice(aten.slice(total, -2, p[0], p[0] + height), -1, p[1], p[1] + width)
+    return total.to(grad.dtype)
