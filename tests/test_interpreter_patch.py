@@ -57,3 +57,18 @@ def test_nested_calls_skip_the_patching_and_compute_the_same(monkeypatch):
     again, _ = _run(x)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
     assert [fn.__name__ for fn in calls] == ["_kernel", "sum"]
+
+
+def test_dtype_lookups_are_cached_and_the_same():
+    """The cached ``_get_np_dtype`` gives the interpreter's own answer for scalars, blocks
+    and pointers."""
+    from triton.runtime import interpreter
+    assert interpreter_patch.cache_dtype_lookup()
+    lookup = interpreter._get_np_dtype
+    assert getattr(lookup, "fc_cached", False)
+    original = lookup.fc_original
+    for t in (tl.float32, tl.bfloat16, tl.int1, tl.int64, tl.float8e4nv, tl.pointer_type(tl.float16),
+              tl.block_type(tl.bfloat16, [4, 8]), tl.block_type(tl.pointer_type(tl.int8), [16])):
+        assert lookup(t) == original(t) == lookup(t), t
+    out, _ = _run(torch.randn(3, 20))            # a kernel still runs through it
+    assert out.shape == (3, 20)

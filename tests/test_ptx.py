@@ -8,6 +8,7 @@ import pickle
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,23 +20,71 @@ from helpers import compile_and_run, instead_of_compiles, kernel_count
 pytest.importorskip("triton.backends.nvidia.compiler")
 
 # Compiles recorded launches for sm_90 and prints their PTX, in a process of its own: Triton's
-# interpreter, loaded here, cannot share a process with its compiler (as in test_precompile.py)
+# interpreter, loaded here, cannot share a process with its compiler (as in test_precompile.py).
+# One process serves every test of this module (its imports take seconds): each request is a
+# length line and pickled specs, each reply a line after the marker
+_MARK = b"fusion-compiler-ptx "
 _PTX = """
-import json, pickle, sys
+import json, pickle, sys, traceback
 from triton.backends.compiler import GPUTarget
 from fusion_compiler.codegen.precompile import compile_specs
-specs = pickle.load(sys.stdin.buffer)
-print(json.dumps([r["ptx"] for r in compile_specs(specs, GPUTarget("cuda", 90, 32), ("ptx",))]))
-"""
+stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    header = stdin.readline()
+    if not header:
+        break
+    specs = pickle.loads(stdin.read(int(header)))
+    try:
+        reply = {"ptx": [r["ptx"] for r in compile_specs(specs, GPUTarget("cuda", 90, 32),
+                                                          ("ptx",))]}
+    except Exception:
+        reply = {"error": traceback.format_exc()}
+    stdout.write(%r + json.dumps(reply).encode() + b"\\n")
+    stdout.flush()
+""" % _MARK
+_process = {}
 
 
-def ptx_of(specs, tmp_path) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    run = subprocess.run([sys.executable, "-c", _PTX], input=pickle.dumps(specs),
-                         capture_output=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
-    return "\n".join(json.loads(run.stdout.decode().strip().splitlines()[-1]))
+@pytest.fixture(scope="module", autouse=True)
+def _compiler_process(tmp_path_factory):
+    """The compiler process ``ptx_of`` starts, ended with the module's tests."""
+    _process["dir"] = tmp_path_factory.mktemp("ptx")
+    yield
+    proc = _process.pop("proc", None)
+    if proc is not None:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+
+
+def ptx_of(specs, tmp_path=None) -> str:
+    """The PTX of the recorded launches ``specs``, compiled for sm_90 by the module's compiler
+    process (started at the first call)."""
+    proc = _process.get("proc")
+    if proc is None or proc.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(_process["dir"] / "triton")
+        with open(_process["dir"] / "stderr.txt", "wb") as errors:
+            proc = _process["proc"] = subprocess.Popen(
+                [sys.executable, "-c", _PTX], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=errors, env=env)
+    data = pickle.dumps(specs)
+    proc.stdin.write(b"%d\n" % len(data) + data)
+    proc.stdin.flush()
+    watchdog = threading.Timer(300, proc.kill)     # a hung compile fails, not the suite
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith(_MARK):
+            line = proc.stdout.readline()
+    finally:
+        watchdog.cancel()
+    if not line:
+        tail = (_process["dir"] / "stderr.txt").read_bytes()[-3000:].decode(errors="replace")
+        raise AssertionError(f"the compiler process ended (or hung and was ended): {tail}")
+    reply = json.loads(line[len(_MARK):])
+    assert "error" not in reply, reply.get("error", "")[-3000:]
+    return "\n".join(reply["ptx"])
 
 
 def mul_add(a, b, c):
