@@ -311,7 +311,9 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if config.aot_cache and _aot_cache_usable():
         def compiler(kind):
             return aot_cache.compiler(kind, finish, cudagraphs.static_input_indices)
-        kept = aot_cache.context(aot_cache.namespace(config.cache_dir, partition), finish,
+        # the decomposition table is part of what aot_autograd made: its switch keys the entries
+        table_kind = partition if config.max_pool else f"{partition}+aten-max-pool"
+        kept = aot_cache.context(aot_cache.namespace(config.cache_dir, table_kind), finish,
                                  on_miss=start_workers)
     else:
         def compiler(kind):
@@ -325,7 +327,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                             inference_compiler=compiler("inference"),
                             decompositions=decomposition_table(
-                                late_decompose.deferred(gm, example_inputs)),
+                                late_decompose.deferred(gm, example_inputs), config.max_pool),
                             partition_fn=min_cut_rematerialization_partition
                             if partition == "min_cut" else default_partition,
                             keep_inference_input_mutations=True,

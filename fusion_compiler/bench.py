@@ -25,13 +25,15 @@ from . import patterns as P
 # name -> torch.compile arguments (None: eager). "-cg": CUDA graphs (mode="reduce-overhead");
 # "fusion-save": training graphs that save every forward value the backward reads instead of
 # recomputing the cheap ones (config.backward_recompute off), to compare the two; "fusion-nchw":
-# convolution networks in the layout the model gives (config.channels_last off).
+# convolution networks in the layout the model gives (config.channels_last off);
+# "fusion-atenpool": ATen's max pool, forward and backward (config.max_pool off).
 COMPILE_ARGS = {"eager": None, "inductor": {"backend": "inductor"},
                 "inductor-cg": {"backend": "inductor", "mode": "reduce-overhead"},
                 "fusion": {"backend": "fusion"},
                 "fusion-cg": {"backend": "fusion", "mode": "reduce-overhead"},
                 "fusion-save": {"backend": "fusion", "options": {"backward_recompute": False}},
-                "fusion-nchw": {"backend": "fusion", "options": {"channels_last": False}}}
+                "fusion-nchw": {"backend": "fusion", "options": {"channels_last": False}},
+                "fusion-atenpool": {"backend": "fusion", "options": {"max_pool": False}}}
 BACKENDS = tuple(COMPILE_ARGS)
 DEFAULT_BACKENDS = ("eager", "inductor", "fusion")
 
@@ -255,7 +257,8 @@ def paired(times: dict) -> dict:
     falls on both; the medians of the two columns alone do not tell a 2% lead from that noise."""
     out = {}
     for f in (b for b in times if b.startswith("fusion")):
-        # plain fusion also against its variants (fusion-nchw, fusion-save, fusion-cg)
+        # plain fusion also against its variants (fusion-nchw, fusion-atenpool, fusion-save,
+        # fusion-cg)
         for o in (b for b in times if not b.startswith("fusion") or f == "fusion" != b):
             d = [x - y for x, y in zip(times[f], times[o])]
             if not d:

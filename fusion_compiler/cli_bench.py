@@ -17,10 +17,10 @@ def add_parser(sub) -> None:
     b.add_argument("targets", metavar="TARGET", nargs="+")
     b.add_argument("--compare", default="eager,inductor,fusion",
                    help="comma-separated, from eager, inductor, fusion, inductor-cg, fusion-cg, "
-                        "fusion-save, fusion-nchw (-cg: CUDA graphs, mode='reduce-overhead'; "
-                        "fusion-save: training graphs save what the backward reads, no "
-                        "recompute; fusion-nchw: no channels-last rewrite of convolution "
-                        "networks); default: "
+                        "fusion-save, fusion-nchw, fusion-atenpool (-cg: CUDA graphs, "
+                        "mode='reduce-overhead'; fusion-save: training graphs save what the "
+                        "backward reads, no recompute; fusion-nchw: no channels-last rewrite of "
+                        "convolution networks; fusion-atenpool: ATen's max pool); default: "
                         "eager,inductor,fusion")
     b.add_argument("--mode", choices=("inference", "training"), default="inference",
                    help="training: forward, backward and an SGD step, the model in the mode its "

@@ -71,6 +71,10 @@ class Config:
     # rules pick it (passes/channels_last.py): cuDNN computes in NHWC, and NCHW activations
     # cost it a transpose in and out of each convolution. 0: the layouts the model gives.
     channels_last: bool = True
+    # 2-d max pooling and its backward as ops the kernels fuse (fusion_compiler/max_pool.py):
+    # the pool in the kernel computing its input, two bytes an output kept for the backward.
+    # 0: ATen's max_pool2d_with_indices and its backward.
+    max_pool: bool = True
     # Keep aot_autograd's result (the ATen forward and backward graphs, or the inference
     # graph, and its runtime wrappers) on disk in torch's AOTAutograd cache, so that a second
     # process compiling the same model skips aot_autograd's trace and partition

@@ -284,10 +284,14 @@ def full_table() -> dict:
     return _table()
 
 
-def decomposition_table(deferred=()) -> dict:
+def decomposition_table(deferred=(), max_pool=True) -> dict:
     """The table aot_autograd lowers with: the full table less the ``deferred`` ops, which
-    passes/late_decompose.py decomposes after the trace."""
+    passes/late_decompose.py decomposes after the trace, and less max pooling's unless
+    ``max_pool`` (``config.max_pool``)."""
     table = dict(_table())
     for op in deferred:
         table.pop(op, None)
+    if not max_pool:
+        table.pop(aten.max_pool2d_with_indices.default, None)
+        table.pop(aten.max_pool2d_with_indices_backward.default, None)
     return table

@@ -186,6 +186,24 @@ def test_wide_windows_keep_atens_pool(device):
     assert_close(out, f(x))
 
 
+def test_switched_off_keeps_atens_pool(device, monkeypatch):
+    """``FUSION_COMPILER_MAX_POOL=0`` (bench's ``fusion-atenpool``): ATen's pool, forward and
+    backward, the rest still fused; gradients as eager's."""
+    monkeypatch.setenv("FUSION_COMPILER_MAX_POOL", "0")
+    x = randn((2, 3, 9, 8), torch.float32, device).requires_grad_()
+
+    def f(x):
+        return F.max_pool2d(torch.relu(x * 2), 3, 2, 1)
+    out, reports = compile_and_run(f, (x,))
+    out.sum().backward()
+    got, x.grad = x.grad, None
+    f(x).sum().backward()
+    assert leftover_aten(reports, "forward") == ["aten.max_pool2d_with_indices.default"]
+    assert leftover_aten(reports, "backward") == ["aten.max_pool2d_with_indices_backward.default"]
+    assert_close(out, f(x))
+    assert_close(got, x.grad)
+
+
 def test_atens_error_for_bad_padding(device):
     """Padding over half the window: ATen's own error, as eager raises it."""
     x = randn((1, 2, 8, 8), torch.float32, device)
