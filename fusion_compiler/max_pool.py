@@ -114,6 +114,12 @@ def _base(x, s, p, out):
     return rows, cols, rows * x.shape[-1] + cols
 
 
+def _steps(k, d, width):
+    """Where each window position (i, j) lies from its window's start, in ATen's index:
+    ``i * dh * W + j * dw`` (the forward's code, the backward's comparison)."""
+    return [[i * d[0] * width + j * d[1] for j in range(k[1])] for i in range(k[0])]
+
+
 def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """``(values, indices)`` as ATen's (module docstring)."""
     got = geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
@@ -124,8 +130,7 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
     xp = aten.constant_pad_nd(x, [p[1], right[1], p[0], right[0]], float("-inf"))
     rows, cols, base = _base(x, s, p, out)
     width = x.shape[-1]
-    # where each window position lies from the window's start: i * dh * W + j * dw
-    step = [[i * d[0] * width + j * d[1] for j in range(k[1])] for i in range(k[0])]
+    step = _steps(k, d, width)
     small = torch.int16 if step[-1][-1] < 2 ** 15 else torch.int32
     # the window's first position inside the input: ATen's index where no value beats -inf
     first = ((-rows).clamp_min(0) + d[0] - 1) // d[0] * d[0] * width \
@@ -172,10 +177,11 @@ def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dila
     base = _base(x, s, p, out)[2]
     offset = indices - base        # code, where the forward's index is computed here
     acc = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    step = _steps(k, d, width)
     total = None
     for i in range(k[0]):
         for j in range(k[1]):
-            g = torch.where(offset == i * d[0] * width + j * d[1], acc, 0.0)
+            g = torch.where(offset == step[i][j], acc, 0.0)
             g = _spread(g, -2, s[0], i * d[0], height + p[0] + right[0])
             g = _spread(g, -1, s[1], j * d[1], width + p[1] + right[1])
             total = g if total is None else total + g
