@@ -23,7 +23,8 @@ from ..passes.shapes import TensorInfo
 
 # Constant-producing ops: their one meaningful argument is the value at this position; a
 # tensor argument (full_like's) only gives the shape and dtype, which the IR value records.
-CONSTANT_VALUE_ARG = {torch.ops.aten.full_like.default: 1, torch.ops.aten.scalar_tensor.default: 0}
+CONSTANT_VALUE_ARG = {torch.ops.aten.full_like.default: 1, torch.ops.aten.scalar_tensor.default: 0,
+                      torch.ops.aten.full.default: 1}
 
 
 class NotFusable(Exception):

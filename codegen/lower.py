@@ -315,7 +315,7 @@ class Lowering(PointwiseLowering):
             return self._cat(vid, args, kw, index, preds)
         if t == "aten.constant_pad_nd.default":
             return self._pad(vid, args, kw, index, preds)
-        if t in ("aten.full_like.default", "aten.scalar_tensor.default"):
+        if t in ("aten.full_like.default", "aten.scalar_tensor.default", "aten.full.default"):
             return self._constant(args[0], out.dtype)  # shape and dtype: the IR value's
         if t == "aten.embedding.default":
             return self._embedding(args, index, preds)

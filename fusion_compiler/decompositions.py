@@ -12,6 +12,8 @@ pointwise ops and last-dim reductions the code generator fuses:
     repeat                            -> a reshape of an expand (index arithmetic)
     max_pool2d_with_indices (+ backward) -> strided slices of the padded input, maximum and
                                          where (max_pool.py): two bytes an output value kept
+    slice_backward, slice_scatter     -> constant_pad_nd (spread with a step), cat, where
+                                         (slices.py): no zeros written, no scatter kernel
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
     batch norm (training, eval)       -> PyTorch's: var_mean over [0, 2, ...] (in fp32), then
@@ -30,7 +32,7 @@ import math
 import torch
 from torch._decomp import get_decompositions
 
-from . import max_pool
+from . import max_pool, slices
 from .codegen.triton_lib import interpreting
 from .config import Config
 
@@ -275,6 +277,8 @@ def _table() -> dict:
     table[aten.max_pool2d_with_indices.default] = _on_kernels(max_pool.max_pool2d_with_indices)
     table[aten.max_pool2d_with_indices_backward.default] = _on_kernels(
         max_pool.max_pool2d_with_indices_backward)
+    table[aten.slice_backward.default] = _on_kernels(slices.slice_backward)
+    table[aten.slice_scatter.default] = _on_kernels(slices.slice_scatter)
     return table
 
 

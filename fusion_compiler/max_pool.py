@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import torch
 
+from .slices import spread
+
 aten = torch.ops.aten
 
 # the most window positions decomposed (Inductor's limit too: 5 x 5); wider windows, a global
@@ -146,25 +148,6 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
     return best, base + code.to(torch.int64)
 
 
-def _spread(t, dim: int, step: int, shift: int, length: int):
-    """``t`` along ``dim`` with its element m at ``m * step + shift`` of a dimension of
-    ``length``, zeros elsewhere: index arithmetic (unsqueeze, constant pad, reshape, pad,
-    slice), no scatter."""
-    dim %= t.dim()
-    n = t.shape[dim]
-    q, r = divmod(shift, step)
-    u = t.unsqueeze(dim + 1)
-    pads = [0] * (2 * u.dim())             # constant_pad_nd pads from the last dim back
-    pads[2 * (u.dim() - 2 - dim)], pads[2 * (u.dim() - 2 - dim) + 1] = r, step - 1 - r
-    u = aten.constant_pad_nd(u, pads, 0)
-    u = u.reshape(t.shape[:dim] + (n * step,) + t.shape[dim + 1:])
-    pads = [0] * (2 * t.dim())
-    pads[2 * (t.dim() - 1 - dim)] = q * step
-    pads[2 * (t.dim() - 1 - dim) + 1] = max(0, length - (n + q) * step)
-    u = aten.constant_pad_nd(u, pads, 0)
-    return aten.slice(u, dim, 0, length)
-
-
 def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
                                      ceil_mode, indices):
     """The gradient of the pool's input, as ATen's (module docstring)."""
@@ -182,8 +165,8 @@ def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dila
     for i in range(k[0]):
         for j in range(k[1]):
             g = torch.where(offset == step[i][j], acc, 0.0)
-            g = _spread(g, -2, s[0], i * d[0], height + p[0] + right[0])
-            g = _spread(g, -1, s[1], j * d[1], width + p[1] + right[1])
+            g = spread(g, -2, s[0], i * d[0], height + p[0] + right[0])
+            g = spread(g, -1, s[1], j * d[1], width + p[1] + right[1])
             total = g if total is None else total + g
     total = aten.slice(aten.slice(total, -2, p[0], p[0] + height), -1, p[1], p[1] + width)
     return total.to(grad.dtype)

@@ -48,6 +48,7 @@ _POINTWISE = [
     aten.copy.default, aten.lerp.Scalar, aten.fill.Scalar,
     aten.full_like.default,     # a constant: reads only its input's shape (groups.tensor_args)
     aten.scalar_tensor.default,     # a 0-dim constant (`where(c, x, -inf)` on CUDA)
+    aten.full.default,  # a constant, where a kernel reads it (_read_by_kernels); else ATen's
 ]
 _VIEW = [
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
@@ -120,7 +121,28 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
         return OpKind.OPAQUE
     if node.target in GATHERS and not _is_plain_gather(node):
         return OpKind.OPAQUE
+    if node.target is aten.full.default and not _read_by_kernels(node):
+        return OpKind.OPAQUE
     return kind
+
+
+def _read_by_kernels(node: torch.fx.Node) -> bool:
+    """Whether an op a kernel can compute reads ``node`` (through views): there a constant
+    is a literal of the kernel. One that only ATen ops read (SDPA's mask) stays a ``full``,
+    which fast_calls makes once and keeps (constant_fold.factories), not a kernel of its own
+    writing it on every call."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        kind = OP_KINDS.get(user.target, OpKind.OPAQUE)
+        if kind is OpKind.VIEW or kind is OpKind.BROADCAST:
+            stack.extend(user.users)
+        elif kind is not OpKind.OPAQUE:
+            return True
+    return False
 
 
 def _is_plain_gather(node: torch.fx.Node) -> bool:

@@ -108,9 +108,9 @@ def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
     x = torch.randn(7, 7, device=device, dtype=dtype)
     ids = torch.randint(0, 7, (7,), device=device)
     out, reports, (gm,) = _compiled(monkeypatch, fn, (x, ids))
-    # kept: the mask, and the scale (a CPU scalar the kernel takes as an argument, made after
-    # partition); masked_fill's fill value is a literal in the kernel; steps is returned
-    assert torch.ops.aten.full.default not in _calls(gm) and len(_constants(gm)) == 2, gm.code
+    # kept: the mask; the scale (a full the kernel reads) and masked_fill's fill value are
+    # literals in the kernel; steps is returned
+    assert torch.ops.aten.full.default not in _calls(gm) and len(_constants(gm)) == 1, gm.code
     assert torch.ops.aten.scalar_tensor.default not in _calls(gm)
     assert kernel_count(reports) == 2                    # scale and mask; steps + 1
     expected = fn(x, ids)

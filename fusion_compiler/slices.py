@@ -1,0 +1,99 @@
+"""A slice's gradient and a slice written into a tensor as ops the code generator fuses:
+decompositions of ``slice_backward`` and ``slice_scatter`` (the decomposition table,
+decompositions.py).
+
+PyTorch's core table makes a slice's gradient a tensor of zeros (``full``) and a
+``slice_scatter`` of the gradient into it: two ATen kernels, a write of the whole input's
+size and a copy. Hugging Face's rotary embeddings slice each head in halves (``rotate_half``),
+so the backward of every attention layer of a Llama, Mistral, Qwen or Gemma has four of each,
+on the query's and key's gradients: the largest memory-bound ops of those models' backward
+left on ATen (a CPU `dump` of benchmarks/hf_zoo.py's models, session 48). Swin's patch merging
+takes every other row and column (``x[:, 0::2, 1::2]``), the same with a step.
+
+Here the gradient of a slice is the gradient padded with zeros along the sliced dimension: a
+``constant_pad_nd`` (a step of 1), or each element spread ``step`` apart by ``spread``'s
+unsqueeze, pad and reshape (index arithmetic, no scatter). Its reader (the sum of RoPE's two
+halves, the rest of the backward) computes it at each load: no zeros are written.
+``slice_scatter(base, src)`` with a step of 1 is ``cat`` of base's part before the slice,
+``src`` and base's part after it, each element loaded from one of them; with a step, a
+``where`` between the spread ``src`` and ``base``.
+
+Left to ATen (NotImplemented: the core table's, or the op as traced): symbolic sizes or
+bounds, base and source of different dtypes, and a base that is not contiguous (a cat's
+output is; ATen's keeps base's strides).
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def spread(t, dim: int, step: int, shift: int, length: int):
+    """``t`` along ``dim`` with its element m at ``m * step + shift`` of a dimension of
+    ``length``, zeros elsewhere: index arithmetic (unsqueeze, constant pad, reshape, pad,
+    slice), no scatter."""
+    dim %= t.dim()
+    n = t.shape[dim]
+    if step == 1 and n + shift <= length:
+        pads = [0] * (2 * t.dim())             # constant_pad_nd pads from the last dim back
+        pads[2 * (t.dim() - 1 - dim)], pads[2 * (t.dim() - 1 - dim) + 1] = shift, length - n - shift
+        return aten.constant_pad_nd(t, pads, 0)
+    q, r = divmod(shift, step)
+    u = t.unsqueeze(dim + 1)
+    pads = [0] * (2 * u.dim())
+    pads[2 * (u.dim() - 2 - dim)], pads[2 * (u.dim() - 2 - dim) + 1] = r, step - 1 - r
+    u = aten.constant_pad_nd(u, pads, 0)
+    u = u.reshape(t.shape[:dim] + (n * step,) + t.shape[dim + 1:])
+    pads = [0] * (2 * t.dim())
+    pads[2 * (t.dim() - 1 - dim)] = q * step
+    pads[2 * (t.dim() - 1 - dim) + 1] = max(0, length - (n + q) * step)
+    u = aten.constant_pad_nd(u, pads, 0)
+    return aten.slice(u, dim, 0, length)
+
+
+def _bounds(length, start, end, step):
+    """ATen's slice bounds ``(start, end)`` of a dimension of ``length`` (None: its ends,
+    negative: from the end, clamped to it), or None where a size or bound is symbolic."""
+    start = 0 if start is None else start
+    end = length if end is None else end
+    if not all(type(v) is int for v in (length, start, end, step)) or step < 1:
+        return None
+    start = start + length if start < 0 else start
+    end = end + length if end < 0 else end
+    start = min(max(start, 0), length)
+    end = min(max(end, start), length)
+    return start, end
+
+
+def slice_backward(grad, input_sizes, dim, start, end, step):
+    """The gradient of ``x[start:end:step]`` along ``dim`` (x's sizes ``input_sizes``): the
+    gradient spread into zeros (module docstring)."""
+    dim %= len(input_sizes)
+    bounds = _bounds(input_sizes[dim], start, end, step)
+    if bounds is None or grad.dim() != len(input_sizes):
+        return NotImplemented
+    start, end = bounds
+    if grad.shape[dim] != -(-(end - start) // step):
+        return NotImplemented
+    return spread(grad, dim, step, start, input_sizes[dim])
+
+
+def slice_scatter(base, src, dim=0, start=None, end=None, step=1):
+    """``base`` with ``src`` in its ``[start:end:step]`` along ``dim``, a new tensor (module
+    docstring)."""
+    if base.dim() == 0 or src.dtype != base.dtype or not base.is_contiguous():
+        return NotImplemented
+    dim %= base.dim()
+    bounds = _bounds(base.shape[dim], start, end, step)
+    if bounds is None or not all(type(s) is int for s in base.shape):
+        return NotImplemented
+    start, end = bounds
+    if src.dim() != base.dim() or src.shape[dim] != -(-(end - start) // step):
+        return NotImplemented
+    if step == 1:
+        parts = [aten.slice(base, dim, 0, start), src, aten.slice(base, dim, end, base.shape[dim])]
+        parts = [p for p in parts if p.shape[dim] > 0]
+        return aten.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+    where = spread(torch.ones_like(src, dtype=torch.bool), dim, step, start, base.shape[dim])
+    return torch.where(where, spread(src, dim, step, start, base.shape[dim]), base)

@@ -1,0 +1,185 @@
+"""A slice's gradient and slice assignment (fusion_compiler/slices.py): slice_backward as a
+zero pad (a spread with a step), slice_scatter as a cat (a where with a step), and ``full``
+as a constant of the kernel that reads it. Hugging Face's rotary embedding backward is one
+kernel, not zeros, slice_scatters and an add on ATen; values as eager's, kernel counts."""
+import pytest
+import torch
+
+from fusion_compiler import slices
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
+from patterns import randn
+
+aten = torch.ops.aten
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BIG = 2 ** 63 - 1       # the end a traced ``x[k:]`` carries
+
+# (input sizes, dim, start, end, step)
+SLICES = [
+    ((3, 10), 1, 0, 5, 1),
+    ((3, 10), 1, 5, BIG, 1),
+    ((4, 7, 9), 1, 0, BIG, 2),          # Swin's patch merging: every other row
+    ((4, 7, 9), 2, 1, BIG, 2),
+    ((5, 11), 0, 1, 4, 3),
+    ((5, 11), -1, -4, None, 1),
+    ((5, 11), 1, 2, 2, 1),              # empty
+    ((6,), 0, None, -1, 4),
+]
+
+
+def _slice_len(n, start, end, step):
+    return len(range(n)[slice(start, end if end != BIG else None, step)])
+
+
+@pytest.mark.parametrize("case", SLICES, ids=str)
+def test_decompositions_are_atens_ops(case):
+    """Run eagerly: exactly ATen's slice_backward and slice_scatter (no arithmetic)."""
+    sizes, dim, start, end, step = case
+    d = dim % len(sizes)
+    part = list(sizes)
+    part[d] = _slice_len(sizes[d], start, end, step)
+    grad = randn(tuple(part), torch.float32, "cpu")
+    assert torch.equal(slices.slice_backward(grad, sizes, dim, start, end, step),
+                       aten.slice_backward(grad, sizes, dim, 0 if start is None else start,
+                                           BIG if end is None else end, step))
+    base = randn(sizes, torch.float32, "cpu")
+    got = slices.slice_scatter(base, grad, dim, start, end, step)
+    assert torch.equal(got, aten.slice_scatter(base, grad, dim, start, end, step))
+    assert got.data_ptr() != base.data_ptr()
+
+
+def test_refusals_keep_atens_ops():
+    """Different dtypes, a strided base, or sizes that do not match the slice: NotImplemented
+    (traced as the op it is, ATen's checks and errors)."""
+    base = randn((4, 6), torch.float32, "cpu")
+    assert slices.slice_scatter(base, randn((4, 3), torch.float16, "cpu"), 1, 0, 3) \
+        is NotImplemented
+    assert slices.slice_scatter(base.t(), randn((3, 4), torch.float32, "cpu"), 0, 0, 3) \
+        is NotImplemented
+    assert slices.slice_scatter(base, randn((4, 2), torch.float32, "cpu"), 1, 0, 3) \
+        is NotImplemented
+    assert slices.slice_backward(randn((4, 2), torch.float32, "cpu"), [4, 6], 1, 0, 3, 1) \
+        is NotImplemented
+
+
+def rotate_half(x):
+    """Hugging Face's (Llama, Mistral, Qwen, Gemma): the halves of the head swapped, the second
+    negated."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_backward_is_one_kernel(dtype, device):
+    """Query and key through Hugging Face's rotary embedding, forward and backward: one kernel
+    each way, nothing on ATen (before: the backward's four slice gradients were two ``full``s
+    of zeros and four slice_scatters on ATen, and three kernels). Gradients as eager's."""
+    q = randn((2, 3, 7, 10), dtype, device).requires_grad_()
+    k = randn((2, 1, 7, 10), dtype, device).requires_grad_()
+    cos, sin = randn((7, 10), dtype, device), randn((7, 10), dtype, device)
+    (oq, ok), reports = compile_and_run(rope, (q, k, cos, sin))
+    gq, gk = randn(oq.shape, dtype, device), randn(ok.shape, dtype, device)
+    torch.autograd.backward([oq, ok], [gq, gk])
+    got = q.grad, k.grad
+    q.grad = k.grad = None
+    wq, wk = rope(q, k, cos, sin)
+    torch.autograd.backward([wq, wk], [gq, gk])
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports, "forward") == 1 and kernel_count(reports, "backward") == 1, \
+        [(r.kind, r.num_kernels) for r in reports]
+    assert_close(oq, wq, dtype=dtype)
+    assert_close(ok, wk, dtype=dtype)
+    assert_close(got[0], q.grad, dtype=dtype, name="q grad")
+    assert_close(got[1], k.grad, dtype=dtype, name="k grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", [slice(2, 5), slice(1, None, 3), slice(0, 9)],
+                         ids=["2:5", "1::3", "all"])
+def test_slice_assignment_is_one_kernel(where, dtype, device):
+    """``y[:, a:b:s] = z`` of a computed ``y`` (functionalized to slice_scatter): one kernel
+    with what computes ``y`` and what reads the result, values exactly eager's."""
+    x = randn((5, 9), dtype, device)
+    z = randn((5, len(range(9)[where])), dtype, device)
+
+    def f(x, z):
+        y = x * 2
+        y[:, where] = z
+        return y + 1
+    out, reports = compile_and_run(f, (x, z))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert torch.equal(out, f(x, z))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("then", ["scale", "norm"])
+def test_strided_slices_backward(then, dtype, device):
+    """Swin's patch merging: four strided slices of [B, H, W, C] concatenated on C, then a
+    scale or a norm. The backward spreads each slice's gradient two apart on H and W, nothing
+    on ATen (before: two ``full``s of zeros and eight slice_scatters): in the scale's backward
+    kernel; after the norm's backward row kernel, in a second (a row kernel writes its rows
+    where they are, not spread). Gradients as eager's."""
+    x = randn((2, 6, 10, 3), dtype, device).requires_grad_()
+    w = randn((12,), dtype, device)
+
+    def merge(x, w):
+        parts = [x[:, i::2, j::2, :] for i, j in ((0, 0), (1, 0), (0, 1), (1, 1))]
+        y = torch.cat(parts, -1)
+        return torch.nn.functional.layer_norm(y, (12,)) if then == "norm" else y * w
+    out, reports = compile_and_run(merge, (x, w))
+    g = randn(out.shape, dtype, device)
+    out.backward(g)
+    got, x.grad = x.grad, None
+    merge(x, w).backward(g)
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports, "backward") == (2 if then == "norm" else 1), \
+        [(r.kind, r.num_kernels) for r in reports]
+    assert_close(got, x.grad, dtype=dtype, name="x grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bool], ids=str)
+def test_full_is_a_constant_of_its_reader(dtype, device):
+    """``full`` read by a kernel is a literal of that kernel, in its dtype: no ATen op."""
+    x = randn((3, 17), torch.float32, device)
+
+    def f(x):
+        c = torch.full((3, 17), True if dtype == torch.bool else 1.5, dtype=dtype, device=x.device)
+        return torch.where(x > 0, x, c.to(x.dtype) * 2)
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert torch.equal(out, f(x))
+
+
+def test_full_only_aten_reads_is_not_a_kernel(device):
+    """A ``full`` only an ATen op reads (a GEMM's operand) is not a kernel of its own writing
+    the constant on every call: it stays ``full``, made once (fast_calls)."""
+    x = randn((4, 8), torch.float32, device)
+
+    def f(x):
+        return (x + 1) @ torch.full((8, 5), 0.25, device=x.device)
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1, [r.num_kernels for r in reports]
+    assert "aten.full.default" in leftover_aten(reports)
+    assert_close(out, f(x))
+
+
+def test_symbolic_sizes(device):
+    """Dynamic shapes (the sequence length symbolic): values and gradients as eager's, fused or
+    not."""
+    q = randn((2, 3, 7, 10), torch.float32, device).requires_grad_()
+    k = randn((2, 1, 7, 10), torch.float32, device).requires_grad_()
+    cos, sin = randn((7, 10), torch.float32, device), randn((7, 10), torch.float32, device)
+    (oq, ok), reports = compile_and_run(rope, (q, k, cos, sin), dynamic=True)
+    (oq.sum() + ok.square().sum()).backward()
+    got = q.grad, k.grad
+    q.grad = k.grad = None
+    wq, wk = rope(q, k, cos, sin)
+    (wq.sum() + wk.square().sum()).backward()
+    assert [r.error for r in reports if r.error] == []
+    assert_close(oq, wq)
+    assert_close(got[0], q.grad, name="q grad")
+    assert_close(got[1], k.grad, name="k grad")
