@@ -33,13 +33,20 @@ sampled profile of a warm GPT-2 compile on the H200 put this pass at 0.55 s: an 
 the sampling thread runs when CUDA calls release the GIL; the change made no difference to the
 warm compile that session 35's runs could see.)
 
-One rewrite uses the folded values: ``embedding(weight, idx)`` with a constant ``idx`` of
+Two rewrites use the folded values. ``embedding(weight, idx)`` with a constant ``idx`` of
 consecutive indices ``[start, start + n)`` (GPT-2's positions) is a slice of the weight's rows,
-a view that fuses into its reader, instead of a gather.
+a view that fuses into its reader, instead of a gather. And ``x[i0, i1, ...]`` with constant
+index tensors on adjacent dims (Hugging Face's masks pick ``padding_mask[batch_idx, kv_idx]``
+with aranges) is one gather, ``index_select`` of those dims merged by the linear index
+``i0 * n1 * ... + i1 * ... + ...``, which joins the kernel that reads it: on ATen an index
+kernel, and a kernel of its own for what computes ``x`` (the mask's conversion to bool).
+The indices are checked against their dims' sizes now: an index out of range keeps ATen's op
+and its error.
 """
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch.fx.node import map_arg
@@ -82,6 +89,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if not values:
         return gm
     _consecutive_embeddings(gm, values)
+    _constant_picks(gm, values)
     while True:
         kept = [n for n in values if any(u not in values for u in n.users)]
         # a value that is, or is aliased by, an output is computed at run time; so is a lone
@@ -249,6 +257,72 @@ def _consecutive_embeddings(gm, values: dict) -> None:
             rows = emit(gm, aten.slice.Tensor, (weight, 0, start, start + index.numel()), mode)
             view = emit(gm, aten.view.default, (rows, [*index.shape, w.shape[1]]), mode)
         node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+
+
+def _constant_picks(gm, values: dict) -> None:
+    """``index.Tensor(x, [..., i0, i1, ...])`` with two or more folded integer index tensors on
+    adjacent dims d, d + 1, ... of ``x``, in range, those dims mergeable in a view: an
+    ``index_select`` along the merged dim by the linear index (module docstring)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.index.Tensor \
+                or len(node.args) != 2 or node.kwargs or node in values:
+            continue
+        x, indices = node.args
+        at = [k for k, i in enumerate(indices) if i is not None]
+        if len(at) < 2 or at != list(range(at[0], at[0] + len(at))) \
+                or not all(indices[k] in values for k in at):
+            continue
+        picks = [values[indices[k]] for k in at]
+        xv, out = x.meta.get("val"), node.meta.get("val")
+        if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) \
+                or not all(type(s) is int for s in xv.shape) \
+                or any(p.dtype not in (torch.int32, torch.int64) for p in picks):
+            continue
+        d, m = at[0], len(at)
+        sizes = xv.shape[d:d + m]
+        if any(xv.stride(k) != xv.stride(k + 1) * xv.shape[k + 1]
+               for k in range(d, d + m - 1) if xv.shape[k] > 1):
+            continue                        # the dims do not merge in a view
+        with torch.utils._python_dispatch._disable_current_modes():
+            try:
+                shape = torch.broadcast_shapes(*(p.shape for p in picks))
+            except RuntimeError:
+                continue                    # ATen's error
+            if not all(bool(((p >= -n) & (p < n)).all()) for p, n in zip(picks, sizes)):
+                continue                    # ATen's error for an index out of range
+            negative = [bool((p < 0).any()) for p in picks]
+        mode = xv.fake_mode
+        made = []
+        with gm.graph.inserting_before(node):
+            linear = None
+            for k, (n, neg) in enumerate(zip(sizes, negative)):
+                idx = indices[d + k]
+                if neg:
+                    below = emit(gm, aten.lt.Scalar, (idx, 0), mode)
+                    wrapped = emit(gm, aten.add.Tensor, (idx, n), mode)
+                    idx = emit(gm, aten.where.self, (below, wrapped, idx), mode)
+                    made += [below, wrapped, idx]
+                step = math.prod(sizes[k + 1:])
+                if step != 1:
+                    idx = emit(gm, aten.mul.Tensor, (idx, step), mode)
+                    made.append(idx)
+                if linear is not None:
+                    idx = emit(gm, aten.add.Tensor, (linear, idx), mode)
+                    made.append(idx)
+                linear = idx
+            merged = [*xv.shape[:d], math.prod(sizes), *xv.shape[d + m:]]
+            made.append(emit(gm, aten.reshape.default, (linear, [-1]), mode))
+            made.append(emit(gm, aten.view.default, (x, merged), mode))
+            made.append(emit(gm, aten.index_select.default, (made[-1], d, made[-2]), mode))
+            made.append(emit(gm, aten.view.default,
+                             (made[-1], [*xv.shape[:d], *shape, *xv.shape[d + m:]]), mode))
+        got = made[-1].meta["val"]
+        if (got.shape, got.stride(), got.dtype) != (out.shape, out.stride(), out.dtype):
+            for n in reversed(made):
+                gm.graph.erase_node(n)
+            continue
+        node.replace_all_uses_with(made[-1])
         gm.graph.erase_node(node)
 
 

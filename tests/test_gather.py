@@ -208,6 +208,59 @@ def test_other_index_forms_stay_on_aten(device):
         assert torch.equal(out, f(x))
 
 
+def hf_mask(mask, scores):
+    """Hugging Face's mask (masking_utils): the padding mask picked as
+    ``padding_mask[batch_idx, kv_idx]`` by aranges, with the causal test, applied to scores."""
+    b, s = mask.shape
+    batch = torch.arange(b, device=mask.device)[:, None, None, None]
+    kv = torch.arange(s, device=mask.device)[None, None, None, :]
+    q = torch.arange(s, device=mask.device)[None, None, :, None]
+    keep = (kv <= q) & mask.bool()[batch, kv]
+    return torch.where(keep, scores, float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7), (1, 16)], ids=str)
+def test_a_pick_by_constant_index_tensors_is_one_gather(shape, dtype, device):
+    """``x[i0, i1]`` by constant index tensors on adjacent dims (Hugging Face's padding mask):
+    one gather of the merged dims in the kernel that reads it; before, an ATen index and a
+    kernel of its own for the mask's conversion to bool. Values exactly eager's."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.randint(0, 2, shape, generator=g).to(device)
+    scores = torch.randn(shape[0], 2, shape[1], shape[1], generator=g).to(device=device,
+                                                                          dtype=dtype)
+    out, reports = compile_and_run(hf_mask, (mask, scores))
+    assert kernel_count(reports) == 1 and not leftover_aten(reports)
+    assert "aten.index_select.default" in reports[0].kernels[0]["ops"]
+    assert torch.equal(out, hf_mask(mask, scores))
+
+
+def test_constant_picks_with_negative_indices_on_middle_dims(device):
+    """``x[:, i, j]`` with broadcast constant indices, negative ones among them, on dims 1
+    and 2 of four: the dims where eager puts them, eager's values."""
+    x = torch.randn(2, 5, 6, 3, device=device)
+
+    def f(x):
+        i = (torch.arange(3, device=x.device) * 2 - 4)[:, None]     # -4, -2, 0
+        j = torch.arange(4, device=x.device) * 3 - 6                # -6, -3, 0, 3
+        return x[:, i, j] * 2 + 1
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and not leftover_aten(reports)
+    assert torch.equal(out, f(x))
+
+
+def test_a_constant_index_out_of_range_keeps_atens_error(device):
+    """A constant index past its dim: the pick stays ATen's op, and raises ATen's error."""
+    x = torch.randn(3, 7, device=device)
+
+    def f(x):
+        return x[torch.arange(3, device=x.device)[:, None], torch.arange(8, device=x.device)] + 1
+    with pytest.raises(Exception, match="out of bounds"):
+        f(x)
+    with pytest.raises(Exception, match="out of bounds"):
+        compile_and_run(f, (x,))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("form", ["cols", "last", "2d", "rows3d"])
