@@ -24,16 +24,17 @@ eight; a training graph's backward needs the index, which aot_autograd's min-cut
 then recomputes from ``code``. Inference graphs compute neither: nothing reads the index.
 
 Backward. ATen scatters each output's gradient to the input position its index names. Here
-the gradient of the input is a sum over the window positions (i, j): the output gradients
-whose index is that position's, spread to where the position lands, ``oh * sh + i * dh`` of
-the padded input (zeros between: an unsqueeze, a constant pad and a reshape, index arithmetic
-again), summed in fp32 (ATen's CUDA kernel accumulates in fp32 too) and the padding sliced
-off. Pointwise over the input's gradient (in ResNet's backward, inside the kernel of the
-BatchNorm's backward), reading the output gradient and the index at most kh * kw times an
-element, all of them masked off but the windows that hold it
-(four of nine for ResNet's 3 x 3 windows at stride 2). It compares ``index - base`` with
-``i * dh * W + j * dw``: where the index is recomputed in the kernel, ``(base + code) -
-base``, one load of ``base`` (the same constant) and the GPU compiler's to reduce to ``code``.
+each input element gathers instead: with dilation 1 the windows that may hold element h are
+``(h + ph) // sh - t`` for t below ``ceil(kh / sh)`` (2 for 3 x 3 windows at stride 2, so 4
+of the 9 windows in 2-d), and it takes each one's gradient where that window's index is its
+own position ``h * W + w`` (a window's index lies inside it: one that does not hold the
+element never matches). The windows are read by index arithmetic (each repeated ``sh`` times
+by a reshape of an expand, shifted, zero-padded, sliced), summed in fp32 (ATen's CUDA kernel
+accumulates in fp32 too). Pointwise over the input's gradient: in ResNet's backward, inside
+the kernel of the BatchNorm's backward. Where the index is recomputed in the kernel from the
+forward's code, it is ``base + code`` at the window read. Session 47's first form compared
+``index - base`` with each of the kh * kw window positions, each spread to where it lands
+(``slices.spread``): nine masked reads of index and gradient an element; dilation > 1 keeps it.
 It does not read the pool's input: the forward need not keep it.
 
 Left to ATen (NotImplemented: traced as it is): integer inputs, symbolic sizes, windows of
@@ -148,6 +149,23 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
     return best, base + code.to(torch.int64)
 
 
+def _window_back(t, dim: int, s: int, p: int, back: int, n: int):
+    """``t`` (per window along ``dim``) at each of ``n`` input positions h: the value of
+    window ``(h + p) // s - back``, zero where there is none. Index arithmetic: each window
+    repeated ``s`` times (a reshape of an expand, as ``repeat``), shifted, padded, sliced."""
+    dim %= t.dim()
+    o = t.shape[dim]
+    rep = t.unsqueeze(dim + 1).expand(t.shape[:dim + 1] + (s,) + t.shape[dim + 1:])
+    rep = rep.reshape(t.shape[:dim] + (o * s,) + t.shape[dim + 1:])   # rep[j] = t[j // s]
+    start = p - back * s            # rep's element at h = 0
+    before, after = max(0, -start), max(0, start + n - o * s)
+    if before or after:
+        pads = [0] * (2 * t.dim())
+        pads[2 * (t.dim() - 1 - dim)], pads[2 * (t.dim() - 1 - dim) + 1] = before, after
+        rep = aten.constant_pad_nd(rep, pads, 0)
+    return aten.slice(rep, dim, start + before, start + before + n)
+
+
 def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
                                      ceil_mode, indices):
     """The gradient of the pool's input, as ATen's (module docstring)."""
@@ -155,11 +173,42 @@ def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dila
     if got is None or tuple(grad.shape[-2:]) != got[4] or indices.shape != grad.shape:
         return NotImplemented
     k, s, p, d, out = got
+    acc = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    if d == (1, 1):
+        total = _gather_windows(acc, x, k, s, p, out, indices)
+    else:
+        total = _spread_windows(acc, x, k, s, p, d, out, indices)
+    return total.to(grad.dtype)
+
+
+def _gather_windows(acc, x, k, s, p, out, indices):
+    """Dilation 1: each input element (h, w) reads the ``ceil(kh / sh) * ceil(kw / sw)``
+    windows that may hold it (4 for ResNet's 3 x 3 at stride 2), ``(h + ph) // sh - th`` by
+    ``(w + pw) // sw - tw``, and takes each one's gradient where that window's index is its
+    own position, ATen's ``h * W + w``: a window's index always lies inside it, so one that
+    does not hold the element never matches. Reads by index arithmetic, no gather."""
+    height, width = x.shape[-2:]
+    position = (torch.arange(height, device=x.device) * width).view(-1, 1) \
+        + torch.arange(width, device=x.device)
+    total = None
+    for th in range(-(-k[0] // s[0])):
+        g = _window_back(acc, -2, s[0], p[0], th, height)
+        i = _window_back(indices, -2, s[0], p[0], th, height)
+        for tw in range(-(-k[1] // s[1])):
+            term = torch.where(_window_back(i, -1, s[1], p[1], tw, width) == position,
+                               _window_back(g, -1, s[1], p[1], tw, width), 0.0)
+            total = term if total is None else total + term
+    return total
+
+
+def _spread_windows(acc, x, k, s, p, d, out, indices):
+    """Any dilation: for each of the kh * kw window positions, the gradients whose ``index -
+    start`` is that position's step, spread to where it lands in the padded input, summed,
+    the padding sliced off."""
     height, width = x.shape[-2:]
     right = _right_pads(x, k, s, p, d, out)
     base = _base(x, s, p, out)[2]
     offset = indices - base        # code, where the forward's index is computed here
-    acc = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
     step = _steps(k, d, width)
     total = None
     for i in range(k[0]):
@@ -168,5 +217,4 @@ def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dila
             g = spread(g, -2, s[0], i * d[0], height + p[0] + right[0])
             g = spread(g, -1, s[1], j * d[1], width + p[1] + right[1])
             total = g if total is None else total + g
-    total = aten.slice(aten.slice(total, -2, p[0], p[0] + height), -1, p[1], p[1] + width)
-    return total.to(grad.dtype)
+    return aten.slice(aten.slice(total, -2, p[0], p[0] + height), -1, p[1], p[1] + width)

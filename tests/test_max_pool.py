@@ -70,6 +70,32 @@ def test_decomposition_is_atens_op(geometry, dtype):
         assert torch.equal(got, exact.to(dtype))
 
 
+@pytest.mark.parametrize("geometry", [g for g in GEOMETRIES if max_pool._pair(g[4]) == (1, 1)],
+                         ids=[i for i, g in zip(IDS, GEOMETRIES) if max_pool._pair(g[4]) == (1, 1)])
+def test_backward_forms_agree(geometry):
+    """Dilation 1: the form that reads the windows that may hold each element gives the same
+    gradient as the one that spreads each window position's (both exact in fp32 sums of
+    integers), and reads ceil(k / s) windows per dim, not k (4 comparisons for 3 x 3 at stride
+    2, not 9)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    shape, k, s, p, d, ceil = geometry
+    args = _args(k, s, p, d)
+    x = _hard_values(shape, torch.float32, "cpu")
+    values, indices = aten.max_pool2d_with_indices(x, *args, ceil)
+    grad = randn(values.shape, torch.float32, "cpu").round()
+    got = max_pool.max_pool2d_with_indices_backward(grad, x, *args, ceil, indices)
+    geo = max_pool.geometry(x, *args, ceil)
+    spread = max_pool._spread_windows(grad, x, geo[0], geo[1], geo[2], geo[3], geo[4], indices)
+    assert torch.equal(got, spread)
+    traced = make_fx(lambda g, i: max_pool.max_pool2d_with_indices_backward(
+        g, x, *args, ceil, i))(grad, indices)
+    compares = sum(n.target == aten.eq.Tensor for n in traced.graph.nodes)
+    kh, kw = args[0]
+    sh, sw = args[1]
+    assert compares == -(-kh // sh) * -(-kw // sw)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_eval_batch_norm_relu_and_pool_are_one_kernel(dtype, channels_last, device):
