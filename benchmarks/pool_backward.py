@@ -23,7 +23,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-import fusion_compiler  # noqa: E402,F401
 from fusion_compiler import max_pool  # noqa: E402
 
 
