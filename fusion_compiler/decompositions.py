@@ -14,6 +14,7 @@ pointwise ops and last-dim reductions the code generator fuses:
                                          where (max_pool.py): two bytes an output value kept
     slice_backward, slice_scatter     -> constant_pad_nd (spread with a step), cat, where
                                          (slices.py): no zeros written, no scatter kernel
+    scatter (one index per line)      -> where(arange == index): cross entropy's one-hot
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
     batch norm (training, eval)       -> PyTorch's: var_mean over [0, 2, ...] (in fp32), then
@@ -279,6 +280,8 @@ def _table() -> dict:
         max_pool.max_pool2d_with_indices_backward)
     table[aten.slice_backward.default] = _on_kernels(slices.slice_backward)
     table[aten.slice_scatter.default] = _on_kernels(slices.slice_scatter)
+    table[aten.scatter.value] = _on_kernels(slices.scatter_value)
+    table[aten.scatter.src] = _on_kernels(slices.scatter_src)
     return table
 
 

@@ -97,3 +97,48 @@ def slice_scatter(base, src, dim=0, start=None, end=None, step=1):
         return aten.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
     where = spread(torch.ones_like(src, dtype=torch.bool), dim, step, start, base.shape[dim])
     return torch.where(where, spread(src, dim, step, start, base.shape[dim]), base)
+
+
+def _one_per_line(base, dim, index):
+    """Whether ``scatter(base, dim, index, ...)`` writes one element of each line along
+    ``dim``: the index of size 1 there, of base's size in every other dim, static sizes."""
+    if base.dim() == 0 or index.dim() != base.dim() or index.dtype != torch.int64:
+        return False
+    dim %= base.dim()
+    return all(type(s) is int for s in (*base.shape, *index.shape)) and index.shape[dim] == 1 \
+        and all(i == b for d, (i, b) in enumerate(zip(index.shape, base.shape)) if d != dim)
+
+
+def _chosen(base, dim, index):
+    """``arange(n) == index`` along ``dim`` (n: base's size there), broadcast to base's shape.
+    The index is read through ``index_select`` of an arange, which is the index itself where it
+    is in range and, as ATen's scatter does, an error where it is not (the kernel's gather
+    asserts its index)."""
+    dim %= base.dim()
+    n = base.shape[dim]
+    positions = torch.arange(n, device=base.device)
+    checked = aten.index_select(positions, 0, index.reshape(-1)).view(index.shape)
+    return positions.view([n if d == dim else 1 for d in range(base.dim())]) == checked
+
+
+def scatter_value(base, dim, index, value):
+    """``base.scatter(dim, index, value)`` writing one element of each line along ``dim``
+    (cross entropy's backward: the target's one-hot, times the gradient; a max's backward):
+    ``where(arange(n) == index, value, base)``, pointwise, so the row kernel reading it
+    computes it, instead of ATen's copy of base and scatter kernel. Other forms keep ATen's."""
+    if not _one_per_line(base, dim, index):
+        return NotImplemented
+    return torch.where(_chosen(base, dim, index), torch.scalar_tensor(value, dtype=base.dtype,
+                                                                      device=base.device), base)
+
+
+def scatter_src(base, dim, index, src):
+    """``base.scatter(dim, index, src)`` writing one element of each line along ``dim``: as
+    ``scatter_value``, with ``src``'s values at index's positions."""
+    if not _one_per_line(base, dim, index) or src.dtype != base.dtype or src.dim() != base.dim() \
+            or any(s < i for s, i in zip(src.shape, index.shape)):
+        return NotImplemented
+    for d, i in enumerate(index.shape):
+        if src.shape[d] != i:
+            src = aten.slice(src, d, 0, i)
+    return torch.where(_chosen(base, dim, index), src, base)

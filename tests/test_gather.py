@@ -118,6 +118,8 @@ _OUT_OF_RANGE = textwrap.dedent("""
     f = lambda i, t: F.embedding(i, t) * 2.0                             # noqa: E731
     if GATHER == "index_select":
         f = lambda i, t: t.index_select(0, i.view(-1)) * 2.0             # noqa: E731
+    if GATHER == "scatter":     # one index per row (slices.scatter_value): checked by a gather
+        f = lambda i, t: (t[:3] * 2.0).scatter(1, i.view(3, 1), 1.0)   # noqa: E731
     out = torch.compile(f, backend="fusion")(ids, table)
     torch.cuda.synchronize()
     print("no error", out.sum().item())
@@ -126,7 +128,7 @@ _OUT_OF_RANGE = textwrap.dedent("""
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a device-side assert needs a GPU")
-@pytest.mark.parametrize("gather", ["embedding", "index_select"])
+@pytest.mark.parametrize("gather", ["embedding", "index_select", "scatter"])
 def test_an_index_outside_the_table_is_a_device_side_error(gather):
     """As eager's CUDA embedding and index_select: a device-side assert (in a process of its
     own: it leaves the CUDA context unusable), never values read from outside the table."""

@@ -183,3 +183,64 @@ def test_symbolic_sizes(device):
     assert_close(oq, wq)
     assert_close(got[0], q.grad, name="q grad")
     assert_close(got[1], k.grad, name="k grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(13, 37), (2, 5, 33)], ids=str)
+def test_cross_entropy_backward_has_no_scatter(shape, dtype, device):
+    """Cross entropy over logits in ``dtype`` (targets with an ignored -100 among them): the
+    backward's one-hot of the targets (``scatter`` of -1 into zeros) is ``where(arange ==
+    target)`` in the softmax backward's row kernel, one kernel in all, nothing on ATen (before:
+    zeros, ATen's scatter, and a kernel reading it). Loss and gradient as eager's."""
+    logits = randn(shape, dtype, device).requires_grad_()
+    classes = shape[1]
+    target = torch.randint(0, classes, shape[:1] + shape[2:], device=device)
+    target[0] = -100
+
+    def f(logits, target):
+        return torch.nn.functional.cross_entropy(logits.float(), target)
+    loss, reports = compile_and_run(f, (logits, target))
+    loss.backward()
+    got, logits.grad = logits.grad, None
+    want = f(logits, target)
+    want.backward()
+    assert not {"aten.scatter.value", "aten.full.default"} & set(leftover_aten(reports)), \
+        leftover_aten(reports)
+    assert kernel_count(reports, "backward") == 1, [(r.kind, r.num_kernels) for r in reports]
+    assert_close(loss, want, dtype=torch.float32, atol=1e-5, rtol=1e-5)
+    assert_close(got, logits.grad, dtype=dtype, name="logits grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_backward_scatters_where_the_maximum_was(dtype, device):
+    """``x.max(dim)``'s backward (``scatter`` of the gradient into zeros at the indices):
+    ``where(arange == index, grad, 0)``, one backward kernel, gradients exactly eager's."""
+    x = randn((3, 4, 9), dtype, device).requires_grad_()
+
+    def f(x):
+        return torch.max(x * 2, -1).values.float().square()
+    out, reports = compile_and_run(f, (x,))
+    g = randn(out.shape, torch.float32, device)
+    out.backward(g)
+    got, x.grad = x.grad, None
+    f(x).backward(g)
+    assert not {"aten.scatter.src", "aten.full.default"} & set(leftover_aten(reports))
+    assert kernel_count(reports, "backward") == 1, [(r.kind, r.num_kernels) for r in reports]
+    assert torch.equal(got, x.grad)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_scatter_decompositions_are_atens(dim):
+    """Run eagerly: ATen's scatter of a value and of a source, one index per line along
+    ``dim``, exactly; other index shapes (two per line, a shorter line) are NotImplemented."""
+    base = randn((4, 5, 6), torch.float32, "cpu")
+    shape = list(base.shape)
+    shape[dim] = 1
+    index = torch.randint(0, base.shape[dim], shape)
+    src = randn(base.shape, torch.float32, "cpu")
+    assert torch.equal(slices.scatter_value(base, dim, index, 2.5), base.scatter(dim, index, 2.5))
+    assert torch.equal(slices.scatter_src(base, dim, index, src), base.scatter(dim, index, src))
+    two = torch.cat([index, index], dim)
+    assert slices.scatter_value(base, dim, two, 1.0) is NotImplemented
+    assert slices.scatter_src(base, dim, index.narrow(dim - 1 if dim else 1, 0, 2), src) \
+        is NotImplemented
