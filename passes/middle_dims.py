@@ -63,9 +63,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         if found is None or found[2] is not None:
             continue
         x, d, _ = found
-        kept = list(x.shape)
-        kept[d] = 1
-        as_rows(gm, node, aten.permute.default,
-                [i for i in range(x.dim()) if i != d] + [d], kept)
+        as_rows(gm, node, aten.permute.default, [i for i in range(x.dim()) if i != d] + [d])
         done += 1
     return done

@@ -49,17 +49,17 @@ def unfit(node, x):
     return None
 
 
-def as_rows(gm, node, layout_op, layout_arg, kept: list) -> None:
+def as_rows(gm, node, layout_op, layout_arg) -> None:
     """Replace reduction ``node`` by the same reduction over the last dimension of
-    ``layout_op(x, layout_arg)`` (a view or a permute of its input), viewed as ``kept`` (the
-    keepdim shape) where it keeps its dims."""
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    ``layout_op(x, layout_arg)`` (a view or a permute of its input), viewed as ``node``'s
+    result where its shape differs (dims kept, or of size 1)."""
+    shape = list(node.meta["val"].shape)
     mode = _val(node.args[0]).fake_mode
     with gm.graph.inserting_before(node):
         rows = emit(gm, layout_op, (node.args[0], layout_arg), mode)
         out = emit(gm, node.target, (rows, [-1]), mode)
-        if keepdim:
-            out = emit(gm, aten.view.default, (out, kept), mode)
+        if list(out.meta["val"].shape) != shape:
+            out = emit(gm, aten.view.default, (out, shape), mode)
     out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
     node.replace_all_uses_with(out)
     gm.graph.erase_node(node)
@@ -67,14 +67,20 @@ def as_rows(gm, node, layout_op, layout_arg, kept: list) -> None:
 
 def _trailing(node):
     """(x, k, why) where ``node`` reduces a float tensor ``x`` over its last k >= 2 dimensions
-    (not all of them): ``why`` is None where the rewrite applies, else why not; None where
-    ``node`` is no such reduction."""
+    (all of them only where it keeps some, all of size 1): ``why`` is None where the rewrite
+    applies, else why not; None where ``node`` is no such reduction. Dims of size 1 it keeps
+    count as reduced (a sum over one element): ``x.sum(0)`` of an [n, 1] tensor is a sum over
+    both, its result viewed back to [1]."""
     x = reduced(node)
     if x is None:
         return None
-    dims = node.args[1]
-    nd, k = x.dim(), len(dims)
-    if k < 2 or k >= nd or sorted(d % nd for d in dims) != list(range(nd - k, nd)):
+    nd = x.dim()
+    dims = {d % nd for d in node.args[1]}
+    if not dims or len(dims) == nd or dims == {nd - 1}:
+        return None                 # every dim, or the last: one row, or a row already
+    dims |= {d for d in range(min(dims), nd) if x.shape[d] == 1}
+    k = len(dims)
+    if k < 2 or sorted(dims) != list(range(nd - k, nd)):
         return None
     why = unfit(node, x)
     if why is None and not mergeable(x, nd - k, nd):
@@ -99,6 +105,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             continue
         x, k, _ = found
         lead = list(x.shape[:-k])
-        as_rows(gm, node, aten.view.default, lead + [math.prod(x.shape[-k:])], lead + [1] * k)
+        as_rows(gm, node, aten.view.default, lead + [math.prod(x.shape[-k:])])
         done += 1
     return done

@@ -29,6 +29,21 @@ def test_a_channels_last_pool_is_fused_with_its_add(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [((7, 1), (0,), False), ((2, 9, 1, 1), (1,), True),
+                                  ((3, 5, 1), (1,), False)], ids=str)
+def test_dims_of_size_one_kept_after_the_reduced_ones(case, dtype, device):
+    """A reduction whose kept dims after the reduced ones all have size 1 (``x.sum(0)`` of an
+    [n, 1] tensor; the fuzzer's find) reduces over them too, as rows, viewed back to the
+    result's shape: one kernel, not ATen's sum."""
+    shape, dims, keepdim = case
+    x = randn(shape, dtype, device)
+    f = lambda a: (a * 2).sum(dims, keepdim=keepdim)  # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(x), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["sum", "amax", "amin", "mean"])
 def test_reductions_over_the_last_three_dims(op, dtype, device):
     x = randn((4, 3, 5, 11), dtype, device)
