@@ -159,6 +159,26 @@ def bench_1x128(device="cpu", dtype=torch.bfloat16):
     return make_model_and_inputs(device, dtype, batch=1, seq=128, **BENCH_CONFIG)
 
 
+class CausalLMLoss(nn.Module):
+    """The training objective of a causal LM, inside the compiled graph as Hugging Face's
+    models compute it when given labels: next-token cross entropy over the fp32 logits."""
+
+    def __init__(self, model: Llama):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids)[:, :-1].float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def train_4x1024_lm(device="cpu", dtype=torch.bfloat16):
+    """The throughput case with its loss: `bench --mode training` then trains through the
+    cross entropy (its gradient over 4 x 1023 x 32000 logits), not a loss over the logits."""
+    model, (ids,) = bench_4x1024(device, dtype)
+    return CausalLMLoss(model), (ids, ids.clone())
+
+
 def main() -> int:
     from fusion_compiler.demo import run_example
 

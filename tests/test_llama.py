@@ -112,6 +112,29 @@ def test_training_matches_eager():
     assert not wrong, "\n".join(wrong)
 
 
+def test_causal_lm_loss_trains_without_scatter():
+    """Training through the next-token cross entropy (examples/llama.py's CausalLMLoss): the
+    target's one-hot is computed in the softmax backward's kernel (fusion_compiler/slices.py),
+    no ``scatter`` or zeros on ATen; the loss and every gradient as eager's."""
+    model, (ids,) = make()
+    reference = copy.deepcopy(model)
+    lm, ref = llama.CausalLMLoss(model), llama.CausalLMLoss(reference)
+    labels = ids.clone()
+    labels[0, 3] = -100                     # an ignored position
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        loss = torch.compile(lm, backend="fusion")(ids, labels)
+        loss.backward()
+    want = ref(ids, labels)
+    want.backward()
+    left = leftover_aten(reports)
+    assert not {"aten.scatter.value", "aten.full.default", "aten.scatter.src"} & set(left), left
+    assert_close(loss, want, atol=1e-5, rtol=1e-5, name="loss")
+    params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad, params[name].grad, atol=1e-6, rtol=1e-4, name=f"{name}.grad")
+
+
 def test_training_report_lists_every_aten_op():
     """Ops of groups that were not generated run on ATen and must be in report.aten_ops (on the
     CPU the embedding backward leaves bool bitwise_and/bitwise_not ungenerated)."""
