@@ -75,6 +75,8 @@ def _trailing(node):
     if x is None:
         return None
     nd = x.dim()
+    if nd < 2:
+        return None
     dims = {d % nd for d in node.args[1]}
     if not dims or len(dims) == nd or dims == {nd - 1}:
         return None                 # every dim, or the last: one row, or a row already
