@@ -15,6 +15,7 @@ pointwise ops and last-dim reductions the code generator fuses:
     slice_backward, slice_scatter     -> constant_pad_nd (spread with a step), cat, where
                                          (slices.py): no zeros written, no scatter kernel
     scatter (one index per line)      -> where(arange == index): cross entropy's one-hot
+    constant_pad_nd with negative pads -> slice (the crop), then the pad: a pad's backward
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
     batch norm (training, eval)       -> PyTorch's: var_mean over [0, 2, ...] (in fp32), then
@@ -282,6 +283,7 @@ def _table() -> dict:
     table[aten.slice_scatter.default] = _on_kernels(slices.slice_scatter)
     table[aten.scatter.value] = _on_kernels(slices.scatter_value)
     table[aten.scatter.src] = _on_kernels(slices.scatter_src)
+    table[aten.constant_pad_nd.default] = _on_kernels(slices.constant_pad_nd)
     return table
 
 

@@ -142,3 +142,25 @@ def scatter_src(base, dim, index, src):
         if src.shape[d] != i:
             src = aten.slice(src, d, 0, i)
     return torch.where(_chosen(base, dim, index), src, base)
+
+
+def constant_pad_nd(x, pad, value=0):
+    """A pad with negative amounts (a crop: the backward of a pad is one, as in Swin's
+    windows or ``spread``'s gradient) as a slice of what is cropped, then the pad of what is
+    left, both index arithmetic; ATen's op otherwise (NotImplemented), or where a pad or size
+    is symbolic."""
+    pad = list(pad)
+    if not pad or len(pad) % 2 or len(pad) // 2 > x.dim() \
+            or not all(type(p) is int for p in pad) or min(pad) >= 0:
+        return NotImplemented
+    out = x
+    for k in range(len(pad) // 2):
+        dim = x.dim() - 1 - k
+        before, after = pad[2 * k], pad[2 * k + 1]
+        n = out.shape[dim]
+        if type(n) is not int or n + min(before, 0) + min(after, 0) < 0:
+            return NotImplemented
+        if before < 0 or after < 0:
+            out = aten.slice(out, dim, max(0, -before), n - max(0, -after))
+    rest = [max(0, p) for p in pad]
+    return aten.constant_pad_nd(out, rest, value) if any(rest) else out.clone()

@@ -9,7 +9,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 
 from fusion_compiler.passes import pad_gemm
 from fusion_compiler.passes.cost_model import PROFILES
-from helpers import assert_close, compile_and_run, leftover_aten
+from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
 
 aten = torch.ops.aten
 
@@ -174,16 +174,17 @@ def test_constant_pad_is_one_kernel(shape, pads, dtype, device):
     assert not {op for op in leftover_aten(reports) if "pad" in op}
 
 
-def test_negative_pad_stays_on_aten(device):
-    """A negative pad crops: not lowered (NotFusable), so the pad runs on ATen and the rest
-    still fuses; the values are eager's."""
+def test_negative_pad_is_a_crop_in_the_kernel(device):
+    """A negative pad crops: decomposed into a slice and the pad that is left
+    (fusion_compiler/slices.py), it is index arithmetic in the one kernel; the values are
+    eager's. (Before session 48 the pad stayed on ATen.)"""
     def fn(x):
         return F.pad(x * 2.0, (1, -2)) * 3.0
 
     x = torch.randn(6, 9, device=device)
     out, reports = compile_and_run(fn, (x,))
     assert_close(out, fn(x))
-    assert any("pad" in op for op in leftover_aten(reports)), leftover_aten(reports)
+    assert leftover_aten(reports) == [] and kernel_count(reports) == 1, leftover_aten(reports)
 
 
 def test_emit_takes_meta_values_that_match_the_fake_modes(monkeypatch):

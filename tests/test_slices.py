@@ -244,3 +244,32 @@ def test_scatter_decompositions_are_atens(dim):
     assert slices.scatter_value(base, dim, two, 1.0) is NotImplemented
     assert slices.scatter_src(base, dim, index.narrow(dim - 1 if dim else 1, 0, 2), src) \
         is NotImplemented
+
+
+@pytest.mark.parametrize("pad", [(-1, -2), (2, -1), (-1, 0, 1, -2), (0, 0, -3, 2, 1, 1),
+                                 (-2, -2, -1, -1)], ids=str)
+def test_negative_pads_are_atens(pad):
+    """Run eagerly: a pad with negative amounts (a crop) is exactly ATen's."""
+    x = randn((2, 3, 5, 6), torch.float32, "cpu")
+    assert torch.equal(slices.constant_pad_nd(x, list(pad), 1.5),
+                       aten.constant_pad_nd(x, list(pad), 1.5))
+    assert slices.constant_pad_nd(x, [1, 2], 0) is NotImplemented      # no crop: ATen's op
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_pads_backward_is_in_the_kernel(dtype, device):
+    """``F.pad``'s backward is a pad by the negated amounts (a crop): a slice in the kernel
+    that reads it, one backward kernel, nothing on ATen (before: ATen's constant_pad_nd).
+    Gradients exactly eager's."""
+    x = randn((2, 3, 5, 7), dtype, device).requires_grad_()
+
+    def f(x):
+        return torch.nn.functional.pad(x * 2, (1, 2, 0, 3), value=0.5).float().square()
+    out, reports = compile_and_run(f, (x,))
+    g = randn(out.shape, torch.float32, device)
+    out.backward(g)
+    got, x.grad = x.grad, None
+    f(x).backward(g)
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports, "backward") == 1, [(r.kind, r.num_kernels) for r in reports]
+    assert_close(got, x.grad, dtype=dtype, name="x grad")
