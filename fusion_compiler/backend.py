@@ -25,7 +25,7 @@ from . import aot_cache, cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
-from .passes import channels_last, fast_calls, late_decompose, sdpa_mask
+from .passes import channels_last, fast_calls, late_decompose, nearest_upsample, sdpa_mask
 from .report import GraphReport, aten_compute_ops, publish
 from . import summary
 
@@ -273,6 +273,10 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                 # eight processes starting Triton would only compete with it)
                 start_workers = functools.partial(compile_pool.start, config.compile_workers,
                                                   10 * major + minor, known)
+    # where kernels run (the CPU runs ATen's ops one by one: its upsample kernel is better)
+    if (cuda is not None or interpreting() or config.emit_sources) and nearest_upsample.run(gm):
+        log.info("fusion-compiler: nearest upsampling as index arithmetic "
+                 "(passes/nearest_upsample.py)")
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")

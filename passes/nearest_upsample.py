@@ -1,0 +1,103 @@
+"""Nearest upsampling by powers of two as index arithmetic (Dynamo graph, pre-ATen).
+
+``F.interpolate(x, mode="nearest")`` reaches aot_autograd as PyTorch's decomposition: an index
+of x by two index vectors computed from aranges. Its backward is an ``index_put`` with
+accumulation into zeros: on ATen, zeros of the input's size and an index_put kernel (the
+CUDA one sorts the indices); and a training forward computes the index vectors (two small
+kernels) to keep them for the backward. Where each spatial size is the input's times a power
+of two s, ATen's nearest index ``floor(i * (1 / s))`` is exactly ``i // s`` (1 / s is exact in
+floating point), and the call becomes, along each spatial dim d in turn,
+
+    x.unsqueeze(d + 1) padded to s along d + 1 at each offset r (pad value -0.0), summed over
+    r, reshaped [..., n * s, ...]        (each output element one term; x + -0.0 is x, -0.0 too)
+
+so that the forward reads x by index arithmetic in the kernel that reads the output, and the
+backward, a pad's gradient being a slice, is the sum of the s slices of the output gradient
+(``s_h * s_w`` strided reads an element in 2-d), pointwise in one kernel with what computes
+the gradient. In fp32 for other dtypes (exact conversions forward), so that the backward sums
+in fp32 and rounds once, as ATen's upsample backward does. Floating-point inputs with static sizes, mode "nearest" (not "nearest-exact"),
+no antialias; a ``scale_factor`` that is not exactly the power of two keeps ATen's form, whose
+index it would not equal.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from .sdpa_mask import _add, _example
+
+_SIGNATURE = inspect.signature(F.interpolate)
+
+
+def _factors(node):
+    """The power-of-two factor of each spatial dim where ``node`` is such an interpolate, else
+    None."""
+    try:
+        bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    args = bound.arguments
+    if args.get("mode", "nearest") != "nearest" or args.get("antialias") \
+            or args.get("align_corners") is not None:
+        return None
+    x, out = _example(args.get("input")), _example(node)
+    if x is None or out is None or x.dim() not in (3, 4, 5) \
+            or x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16) \
+            or x.dim() != out.dim() or not all(type(s) is int for s in (*x.shape, *out.shape)) \
+            or tuple(x.shape[:2]) != tuple(out.shape[:2]) or 0 in x.shape:
+        return None
+    factors = []
+    for n, m in zip(x.shape[2:], out.shape[2:]):
+        s = m // n
+        if m % n or s < 1 or s & (s - 1):
+            return None
+        factors.append(s)
+    scale = args.get("scale_factor")
+    if scale is not None and not args.get("recompute_scale_factor"):
+        given = list(scale) if isinstance(scale, (list, tuple)) else [scale] * len(factors)
+        if [float(g) for g in given] != [float(s) for s in factors]:
+            return None
+    return factors
+
+
+def run(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm``'s nearest upsamplings by powers of two as above; how many."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not F.interpolate:
+            continue
+        factors = _factors(node)
+        if factors is None or all(s == 1 for s in factors):
+            continue
+        x = _SIGNATURE.bind(*node.args, **node.kwargs).arguments["input"]
+        dtype = _example(x).dtype
+        out, last = x, node.prev
+        low = dtype in (torch.float16, torch.bfloat16)
+        if low:                         # the backward sums s_h * s_w gradients in fp32, as ATen
+            last = out = _add(gm, last, "float", (out,))
+        for d, s in enumerate(factors, start=2):
+            if s == 1:
+                continue
+            value = _example(out)
+            last = out = _add(gm, last, torch.unsqueeze, (out, d + 1))
+            after = value.dim() - (d + 1)           # dims after d + 1 in the unsqueezed tensor
+            total = None
+            for r in range(s):
+                last = pad = _add(gm, last, F.pad, (out, [0, 0] * after + [r, s - 1 - r]),
+                                  {"value": -0.0})
+                total = pad if total is None else _add(gm, last, operator.add, (total, pad))
+                last = total
+            shape = list(value.shape)
+            shape[d] *= s
+            last = out = _add(gm, last, torch.reshape, (total, shape))
+        if low:
+            out = _add(gm, last, "to", (out, dtype))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
