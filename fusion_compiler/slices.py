@@ -1,6 +1,6 @@
-"""A slice's gradient and a slice written into a tensor as ops the code generator fuses:
-decompositions of ``slice_backward`` and ``slice_scatter`` (the decomposition table,
-decompositions.py).
+"""A slice's gradient, a slice written into a tensor, a scatter of one element per line and a
+crop, as ops the code generator fuses: decompositions of ``slice_backward``, ``slice_scatter``,
+``scatter`` and ``constant_pad_nd`` (the decomposition table, decompositions.py).
 
 PyTorch's core table makes a slice's gradient a tensor of zeros (``full``) and a
 ``slice_scatter`` of the gradient into it: two ATen kernels, a write of the whole input's
@@ -21,6 +21,11 @@ halves, the rest of the backward) computes it at each load: no zeros are written
 Left to ATen (NotImplemented: the core table's, or the op as traced): symbolic sizes or
 bounds, base and source of different dtypes, and a base that is not contiguous (a cat's
 output is; ATen's keeps base's strides).
+
+Two more writes of the same kind, found by the same survey: ``scatter`` of one element per
+line (cross entropy's one-hot of its targets, a max's gradient) is a ``where`` against an
+arange (``scatter_value``, ``scatter_src``), and a pad by negative amounts (a crop: the
+backward of every pad) a slice, then the pad that is left (``constant_pad_nd``).
 """
 from __future__ import annotations
 
