@@ -2,8 +2,9 @@
 
 Hypothesis draws a random DAG of ops the compiler claims to fuse -- pointwise unary and binary
 ops with broadcasting operands (incl. 0-dim tensors and Python scalars), dtype casts, views
-(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand, rolls), ``gather`` and
-``index_select`` along a dim
+(reshape/view, unsqueeze/squeeze, transpose/permute, slices, expand, rolls), pads of the last
+dims (crops among them), a slice of the last dim written over (``slice_scatter``), ``gather``
+and ``index_select`` along a dim
 by an index made from constants, ``cat`` along the last dim, last-dim reductions
 (sum/mean/amax/amin, keepdim or not, then broadcast back; softmax), sums over leading dims
 (``passes/column_sums``: split sums of strided rows; maybe scaled first, broadcast back) and
@@ -86,7 +87,7 @@ FUSED_OP_NAMES = {
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
     "relu", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "gt", "lt", "ge",
     "le", "eq", "ne", "_to_copy", "convert_element_type", "clone", "copy", "cat", "sum", "mean",
-    "amax", "amin", "gather", "index_select", "roll",
+    "amax", "amin", "gather", "index_select", "roll", "constant_pad_nd",
 }
 
 
@@ -465,8 +466,35 @@ class _Builder:
         r = len(sa)
         kind = kind or d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose",
                                           "permute", "contiguous", "slice", "expand",
-                                          "gather", "index_select", "roll"]))
+                                          "gather", "index_select", "roll", "pad",
+                                          "slice_scatter"]))
         b = self.bound(a)
+        if kind == "pad":
+            # F.pad of the last one or two dims, crops (negative amounts) among them
+            # (fusion_compiler/slices.py: a crop is a slice, then the pad that is left)
+            if r == 0:
+                return None
+            pads = []
+            for k in range(min(r, d(st.integers(1, 2)))):
+                n = sa[r - 1 - k]
+                before = d(st.integers(-(n - 1), 3))
+                pads += [before, d(st.integers(-(n - 1 - max(0, -before)), 3))]
+            value = d(st.sampled_from([0.0, 1.5]))
+            return self.add("pad", f"torch.nn.functional.pad({a}, {pads}, value={value})", [a],
+                            max(b, value))
+        if kind == "slice_scatter":
+            # a slice of the last dim written over (slices.slice_scatter: a cat, or a where
+            # with a step)
+            if r == 0:
+                return None
+            n = sa[-1]
+            start = d(st.integers(0, max(n - 1, 0)))
+            stop = d(st.integers(start + 1, max(n, start + 1)))
+            step = d(st.sampled_from([1, 1, 2, 3]))
+            src = f"{a}[..., {start}:{stop}:{step}] * 2"
+            return self.add("slice_scatter",
+                            f"torch.slice_scatter({a}, {src}, -1, {start}, {stop}, {step})",
+                            [a], 2 * b)
         if kind == "gather":
             # along one dim, by an index made from constants (folded at compile time): each
             # position reads position (i * m) % n of that dim, repeats included
@@ -660,8 +688,10 @@ def error_bound(prog: Program, vals: dict) -> dict:
         ein = max(es, default=0.0)
         k = op.kind
         if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat",
-                 "gather", "index_select", "roll"):
+                 "gather", "index_select", "roll", "pad"):
             err = ein                                   # exact, Lipschitz 1 (or a selection)
+        elif k == "slice_scatter":
+            err = 2 * ein                               # a selection of a and a * 2 (exact)
         elif k == "cast":
             err = ein + _flip(y, ein)
         elif k in ("add", "sub"):
