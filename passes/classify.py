@@ -121,14 +121,15 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
         return OpKind.OPAQUE
     if node.target in GATHERS and not _is_plain_gather(node):
         return OpKind.OPAQUE
-    if node.target is aten.full.default and not _read_by_kernels(node):
+    if node.target is aten.full.default and not _read_by_kernels(node, info.device):
         return OpKind.OPAQUE
     return kind
 
 
-def _read_by_kernels(node: torch.fx.Node) -> bool:
-    """Whether an op a kernel can compute reads ``node`` (through views): there a constant
-    is a literal of the kernel. One that only ATen ops read (SDPA's mask) stays a ``full``,
+def _read_by_kernels(node: torch.fx.Node, device) -> bool:
+    """Whether an op a kernel can compute, on ``device`` (``node``'s), reads ``node`` (through
+    views): there a constant is a literal of the kernel. One that only ATen ops read (SDPA's
+    mask), or only ops on another device (a CPU scalar beside CUDA tensors), stays a ``full``,
     which fast_calls makes once and keeps (constant_fold.factories), not a kernel of its own
     writing it on every call."""
     stack, seen = list(node.users), set()
@@ -141,7 +142,9 @@ def _read_by_kernels(node: torch.fx.Node) -> bool:
         if kind is OpKind.VIEW or kind is OpKind.BROADCAST:
             stack.extend(user.users)
         elif kind is not OpKind.OPAQUE:
-            return True
+            info = user.meta.get("fc_tensor")
+            if isinstance(info, TensorInfo) and info.device == device:
+                return True
     return False
 
 
