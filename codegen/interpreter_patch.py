@@ -90,3 +90,35 @@ def skip_nested_patching() -> bool:
     _original = original
     interpreter._patch_lang = patch_lang
     return True
+
+
+def bool_results() -> bool:
+    """Make the interpreter's binary ops whose results are numpy booleans (comparisons, ands of
+    masks) carry Triton's ``int1`` (once); False where this Triton's interpreter has no
+    ``binary_op`` to wrap. Triton 3.9's interpreter types ``x < 3`` as x's dtype (int64)
+    around boolean data; broadcasting such a scalar to a block (``mask & (x < 3)``, x a loaded
+    scalar) then makes int64 data of it, the and int32, and a load refuses the mask ("mask has
+    unsupported dtype"), where the GPU computes an i1. The fuzzer's find (a gather by a
+    one-element constant index, in a multi-part kernel)."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+        import triton.language as tl
+    except ImportError:     # pragma: no cover
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    original = getattr(builder, "binary_op", None)
+    if original is None or handle is None:
+        return False
+    if getattr(original, "fc_bool", False):
+        return True
+
+    def binary_op(self, lhs, rhs, op):
+        out = original(self, lhs, rhs, op)
+        if out.data.dtype == np.bool_ and out.dtype != tl.int1:
+            return handle(out.data, tl.int1)
+        return out
+    binary_op.fc_bool, binary_op.fc_original = True, original
+    builder.binary_op = binary_op
+    return True

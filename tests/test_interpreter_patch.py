@@ -72,3 +72,23 @@ def test_dtype_lookups_are_cached_and_the_same():
         assert lookup(t) == original(t) == lookup(t), t
     out, _ = _run(torch.randn(3, 20))            # a kernel still runs through it
     assert out.shape == (3, 20)
+
+
+@triton.jit
+def _pick(src_ptr, idx_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    keep = offs < numel
+    i = tl.load(idx_ptr + 0)                        # a loaded scalar
+    x = tl.load(src_ptr + i + 0 * offs, mask=keep & (offs < 1) & (i < 3) & (i >= 0), other=0.0)
+    tl.store(out_ptr + offs, x, mask=keep)
+
+
+def test_a_mask_anded_with_a_scalar_comparison_loads():
+    """``mask & (i < 3)``, ``i`` a loaded scalar: Triton 3.9's interpreter typed the comparison
+    as ``i``'s int64 and broadcast it to int64 data, and the load refused the int32 mask ("mask
+    has unsupported dtype"); with ``bool_results`` it loads what the GPU would."""
+    assert interpreter_patch.bool_results()
+    src = torch.tensor([4.0, 5.0, 6.0])
+    out = torch.full((2,), -1.0)
+    _pick[(1,)](src, torch.tensor([2]), out, 2, BLOCK=4)
+    assert out.tolist() == [6.0, 0.0]
