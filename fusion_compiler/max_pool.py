@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from .slices import spread
+from .slices import pad_dim, spread
 
 aten = torch.ops.aten
 
@@ -160,9 +160,7 @@ def _window_back(t, dim: int, s: int, p: int, back: int, n: int):
     start = p - back * s            # rep's element at h = 0
     before, after = max(0, -start), max(0, start + n - o * s)
     if before or after:
-        pads = [0] * (2 * t.dim())
-        pads[2 * (t.dim() - 1 - dim)], pads[2 * (t.dim() - 1 - dim) + 1] = before, after
-        rep = aten.constant_pad_nd(rep, pads, 0)
+        rep = pad_dim(rep, dim, before, after)
     return aten.slice(rep, dim, start + before, start + before + n)
 
 

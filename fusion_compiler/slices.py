@@ -34,6 +34,14 @@ import torch
 aten = torch.ops.aten
 
 
+def pad_dim(t, dim: int, before: int, after: int, value=0):
+    """``constant_pad_nd`` of ``t`` by ``before`` and ``after`` along ``dim`` alone."""
+    pads = [0] * (2 * t.dim())          # constant_pad_nd pads from the last dim back
+    at = 2 * (t.dim() - 1 - dim % t.dim())
+    pads[at], pads[at + 1] = before, after
+    return aten.constant_pad_nd(t, pads, value)
+
+
 def spread(t, dim: int, step: int, shift: int, length: int):
     """``t`` along ``dim`` with its element m at ``m * step + shift`` of a dimension of
     ``length``, zeros elsewhere: index arithmetic (unsqueeze, constant pad, reshape, pad,
@@ -41,19 +49,11 @@ def spread(t, dim: int, step: int, shift: int, length: int):
     dim %= t.dim()
     n = t.shape[dim]
     if step == 1 and n + shift <= length:
-        pads = [0] * (2 * t.dim())             # constant_pad_nd pads from the last dim back
-        pads[2 * (t.dim() - 1 - dim)], pads[2 * (t.dim() - 1 - dim) + 1] = shift, length - n - shift
-        return aten.constant_pad_nd(t, pads, 0)
+        return pad_dim(t, dim, shift, length - n - shift)
     q, r = divmod(shift, step)
-    u = t.unsqueeze(dim + 1)
-    pads = [0] * (2 * u.dim())
-    pads[2 * (u.dim() - 2 - dim)], pads[2 * (u.dim() - 2 - dim) + 1] = r, step - 1 - r
-    u = aten.constant_pad_nd(u, pads, 0)
+    u = pad_dim(t.unsqueeze(dim + 1), dim + 1, r, step - 1 - r)
     u = u.reshape(t.shape[:dim] + (n * step,) + t.shape[dim + 1:])
-    pads = [0] * (2 * t.dim())
-    pads[2 * (t.dim() - 1 - dim)] = q * step
-    pads[2 * (t.dim() - 1 - dim) + 1] = max(0, length - (n + q) * step)
-    u = aten.constant_pad_nd(u, pads, 0)
+    u = pad_dim(u, dim, q * step, max(0, length - (n + q) * step))
     return aten.slice(u, dim, 0, length)
 
 

@@ -51,6 +51,7 @@ import math
 import torch
 from torch.fx.node import map_arg
 
+from .index_rows import wrap_negative
 from .pad_gemm import emit
 
 aten = torch.ops.aten
@@ -299,10 +300,8 @@ def _constant_picks(gm, values: dict) -> None:
             for k, (n, neg) in enumerate(zip(sizes, negative)):
                 idx = indices[d + k]
                 if neg:
-                    below = emit(gm, aten.lt.Scalar, (idx, 0), mode)
-                    wrapped = emit(gm, aten.add.Tensor, (idx, n), mode)
-                    idx = emit(gm, aten.where.self, (below, wrapped, idx), mode)
-                    made += [below, wrapped, idx]
+                    made += wrap_negative(gm, idx, n, mode)
+                    idx = made[-1]
                 step = math.prod(sizes[k + 1:])
                 if step != 1:
                     idx = emit(gm, aten.mul.Tensor, (idx, step), mode)

@@ -33,6 +33,14 @@ aten = torch.ops.aten
 log = logging.getLogger("fusion_compiler")
 
 
+def wrap_negative(gm, idx, n: int, mode) -> list:
+    """The nodes of ``where(idx < 0, idx + n, idx)`` (an index counting from the end, as
+    ATen's), emitted at the graph's insertion point; the last is the wrapped index."""
+    negative = emit(gm, aten.lt.Scalar, (idx, 0), mode)
+    wrapped = emit(gm, aten.add.Tensor, (idx, n), mode)
+    return [negative, wrapped, emit(gm, aten.where.self, (negative, wrapped, idx), mode)]
+
+
 def run(gm: torch.fx.GraphModule, ctx) -> int:
     """Rewrite ``gm``'s row picks in place; how many."""
     done = 0
@@ -57,10 +65,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             continue                    # the view back would have symbolic sizes
         mode = out.fake_mode
         with gm.graph.inserting_before(node):
-            negative = emit(gm, aten.lt.Scalar, (idx, 0), mode)
-            wrapped = emit(gm, aten.add.Tensor, (idx, t.shape[d]), mode)
-            where = emit(gm, aten.where.self, (negative, wrapped, idx), mode)
-            made = [negative, wrapped, where]
+            made = wrap_negative(gm, idx, t.shape[d], mode)
+            where = made[-1]
             if embedding:
                 made.append(emit(gm, aten.embedding.default, (table, where), mode))
             else:

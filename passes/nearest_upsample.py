@@ -14,10 +14,11 @@ floating point), and the call becomes, along each spatial dim d in turn,
 so that the forward reads x by index arithmetic in the kernel that reads the output, and the
 backward, a pad's gradient being a slice, is the sum of the s slices of the output gradient
 (``s_h * s_w`` strided reads an element in 2-d), pointwise in one kernel with what computes
-the gradient. In fp32 for other dtypes (exact conversions forward), so that the backward sums
-in fp32 and rounds once, as ATen's upsample backward does. Floating-point inputs with static sizes, mode "nearest" (not "nearest-exact"),
-no antialias; a ``scale_factor`` that is not exactly the power of two keeps ATen's form, whose
-index it would not equal.
+the gradient. bf16 and fp16 inputs go through fp32 (exact conversions forward), so that the
+backward sums in fp32 and rounds once, as ATen's upsample backward does. fp32, fp64, bf16 and
+fp16 inputs with static sizes, mode "nearest" (not "nearest-exact"), no antialias; a
+``scale_factor`` that is not exactly the power of two keeps ATen's form, whose index it would
+not equal.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from .sdpa_mask import _add, _example
+from .sdpa_mask import add_call, example_value
 
 _SIGNATURE = inspect.signature(F.interpolate)
 
@@ -43,7 +44,7 @@ def _factors(node):
     if args.get("mode", "nearest") != "nearest" or args.get("antialias") \
             or args.get("align_corners") is not None:
         return None
-    x, out = _example(args.get("input")), _example(node)
+    x, out = example_value(args.get("input")), example_value(node)
     if x is None or out is None or x.dim() not in (3, 4, 5) \
             or x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16) \
             or x.dim() != out.dim() or not all(type(s) is int for s in (*x.shape, *out.shape)) \
@@ -73,28 +74,28 @@ def run(gm: torch.fx.GraphModule) -> int:
         if factors is None or all(s == 1 for s in factors):
             continue
         x = _SIGNATURE.bind(*node.args, **node.kwargs).arguments["input"]
-        dtype = _example(x).dtype
+        dtype = example_value(x).dtype
         out, last = x, node.prev
         low = dtype in (torch.float16, torch.bfloat16)
         if low:                         # the backward sums s_h * s_w gradients in fp32, as ATen
-            last = out = _add(gm, last, "float", (out,))
+            last = out = add_call(gm, last, "float", (out,))
         for d, s in enumerate(factors, start=2):
             if s == 1:
                 continue
-            value = _example(out)
-            last = out = _add(gm, last, torch.unsqueeze, (out, d + 1))
+            value = example_value(out)
+            last = out = add_call(gm, last, torch.unsqueeze, (out, d + 1))
             after = value.dim() - (d + 1)           # dims after d + 1 in the unsqueezed tensor
             total = None
             for r in range(s):
-                last = pad = _add(gm, last, F.pad, (out, [0, 0] * after + [r, s - 1 - r]),
+                last = pad = add_call(gm, last, F.pad, (out, [0, 0] * after + [r, s - 1 - r]),
                                   {"value": -0.0})
-                total = pad if total is None else _add(gm, last, operator.add, (total, pad))
+                total = pad if total is None else add_call(gm, last, operator.add, (total, pad))
                 last = total
             shape = list(value.shape)
             shape[d] *= s
-            last = out = _add(gm, last, torch.reshape, (total, shape))
+            last = out = add_call(gm, last, torch.reshape, (total, shape))
         if low:
-            out = _add(gm, last, "to", (out, dtype))
+            out = add_call(gm, last, "to", (out, dtype))
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         done += 1

@@ -38,19 +38,19 @@ def _mask_arg(node):
     return None, None
 
 
-def _example(node):
+def example_value(node):
     value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
 
 def _needs_copy(mask, devices) -> bool:
-    value = _example(mask)
+    value = example_value(mask)
     if value is None or value.device.type not in devices or value.dim() == 0:
         return False
     return value.shape[-1] != 1 and value.stride(-1) != 1
 
 
-def _add(gm, after, target, args, kwargs=None):
+def add_call(gm, after, target, args, kwargs=None):
     """A node after ``after`` calling ``target`` (a Tensor method's name, or a function), with
     its example value computed under the fake mode of its arguments."""
     kwargs = kwargs or {}
@@ -58,7 +58,7 @@ def _add(gm, after, target, args, kwargs=None):
     with gm.graph.inserting_after(after):
         node = (gm.graph.call_method(target, args, kwargs) if method
                 else gm.graph.call_function(target, args, kwargs))
-    values = [_example(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    values = [example_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
     fn = getattr(torch.Tensor, target) if method else target
     mode = next((v.fake_mode for v in values if getattr(v, "fake_mode", None) is not None), None)
     with mode if mode is not None else contextlib.nullcontext():
@@ -71,19 +71,19 @@ def run(gm: torch.fx.GraphModule, devices=("cuda",)) -> int:
     dimension not at stride 1, as above; how many distinct masks were copied."""
     masks: dict = {}            # mask node -> (contiguous copy, row-kept test)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA or _example(node) is None:
+        if node.op != "call_function" or node.target not in SDPA or example_value(node) is None:
             continue
         mask, replace = _mask_arg(node)
         if mask is None or not _needs_copy(mask, devices):
             continue
         if mask not in masks:
-            copy = _add(gm, mask, "contiguous", (mask,))
-            kept = copy if _example(mask).dtype == torch.bool else \
-                _add(gm, copy, "ne", (copy, float("-inf")))
-            masks[mask] = copy, _add(gm, kept, "any", (kept, -1), {"keepdim": True})
+            copy = add_call(gm, mask, "contiguous", (mask,))
+            kept = copy if example_value(mask).dtype == torch.bool else \
+                add_call(gm, copy, "ne", (copy, float("-inf")))
+            masks[mask] = copy, add_call(gm, kept, "any", (kept, -1), {"keepdim": True})
         copy, keep = masks[mask]
         replace(copy)
-        guarded = _add(gm, node, torch.where, (keep, node, 0.0))
+        guarded = add_call(gm, node, torch.where, (keep, node, 0.0))
         node.replace_all_uses_with(guarded, delete_user_cb=lambda user: user is not guarded)
     if masks:
         gm.recompile()
