@@ -14,9 +14,17 @@ a row kernel over rows of C elements lying prod(T) apart, consecutive rows side 
 (strided rows, as a LayerNorm over a permuted NCHW tensor: a program reads a run of rows in
 vectors), which takes the producers of x with it. Only where those runs are long enough to
 read in vectors (``RUN`` elements of T at stride 1), or the reduced dimension itself has stride
-1; else ATen's reduction, which picks its own order, stays. Sums, means, amax and amin of
-float inputs other than fp64, static sizes, no ``dtype=``; the first dimension is
-``column_sums``'s, the last needs nothing.
+1. Else, where the reduced dimension has at most ``UNROLL`` elements, the reduction is its
+slices combined elementwise, a pointwise op over the output in any layout:
+
+    x [*L, k, *T]  ->  select(x, d, 0) + ... + select(x, d, k - 1)  (fp32 for bf16/fp16)
+
+(maximum/minimum for amax/amin, which propagate NaN as they do). Gemma 2's eager attention
+needs it: the gradient of the keys repeated over query groups is a sum over the group dim
+(2 of them) of a bmm's transposed output, whose last dim has stride 512. Else ATen's
+reduction, which picks its own order, stays. Sums, means, amax and amin of float inputs other
+than fp64, static sizes, no ``dtype=``; the first dimension is ``column_sums``'s, the last
+needs nothing.
 """
 from __future__ import annotations
 
@@ -24,11 +32,16 @@ import math
 
 import torch
 
+from .pad_gemm import emit
 from .trailing_dims import as_rows, reduced, unfit
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 RUN = 16    # fewest elements of consecutive rows side by side (the dims after the reduced one)
+UNROLL = 8  # most elements of a reduced dim whose slices are combined elementwise instead
+COMBINE = {aten.sum.dim_IntList: aten.add.Tensor, aten.mean.dim: aten.add.Tensor,
+           aten.amax.default: aten.maximum.default, aten.amin.default: aten.minimum.default}
 
 
 def _middle(node):
@@ -42,10 +55,44 @@ def _middle(node):
     if d in (0, x.dim() - 1):
         return None
     why = unfit(node, x)
-    if why is None and x.stride(d) != 1 and (x.stride(-1) != 1
-                                             or math.prod(x.shape[d + 1:]) < RUN):
-        why = f"its rows lie side by side in runs under {RUN} elements"
+    if why is None and not _as_rows(x, d) and x.shape[d] > UNROLL:
+        why = (f"its rows lie side by side in runs under {RUN} elements, and it reduces over "
+               f"more than {UNROLL}")
     return x, d, why
+
+
+def _as_rows(x, d) -> bool:
+    """Whether rows of dim d of ``x`` read well as strided rows: the reduced dim at stride 1,
+    or consecutive rows side by side in runs of ``RUN`` elements or more."""
+    return x.stride(d) == 1 or (x.stride(-1) == 1 and math.prod(x.shape[d + 1:]) >= RUN)
+
+
+def _unrolled(gm, node, x, d) -> None:
+    """Replace ``node`` by its k slices along dim d combined elementwise (in fp32 for a sum or
+    mean of bf16/fp16), divided by k for a mean, viewed as ``node``'s result."""
+    mode, src, k = x.fake_mode, node.args[0], x.shape[d]
+    summing = COMBINE[node.target] is aten.add.Tensor
+    wide = summing and x.dtype != torch.float32
+    with gm.graph.inserting_before(node):
+        parts = []
+        for i in range(k):
+            part = emit(gm, aten.select.int, (src, d, i), mode)
+            if wide:
+                part = emit(gm, prims.convert_element_type.default, (part, torch.float32), mode)
+            parts.append(part)
+        out = parts[0]
+        for part in parts[1:]:
+            out = emit(gm, COMBINE[node.target], (out, part), mode)
+        if node.target is aten.mean.dim:
+            out = emit(gm, aten.div.Tensor, (out, k), mode)
+        if wide:
+            out = emit(gm, prims.convert_element_type.default, (out, x.dtype), mode)
+        shape = list(node.meta["val"].shape)
+        if list(out.meta["val"].shape) != shape:
+            out = emit(gm, aten.view.default, (out, shape), mode)
+    out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
 
 
 def why_left(node):
@@ -63,6 +110,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         if found is None or found[2] is not None:
             continue
         x, d, _ = found
-        as_rows(gm, node, aten.permute.default, [i for i in range(x.dim()) if i != d] + [d])
+        if _as_rows(x, d):
+            as_rows(gm, node, aten.permute.default, [i for i in range(x.dim()) if i != d] + [d])
+        else:
+            _unrolled(gm, node, x, d)
         done += 1
     return done

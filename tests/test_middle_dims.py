@@ -118,7 +118,76 @@ def test_rows_side_by_side_in_short_runs_stay_on_aten(device):
     assert kernel_count(reports) == 1 and len(leftover_aten(reports)) == 1
     assert_close(out, f(x))
     assert aten_reasons(f, x) == [
-        "reduction over a middle dim: its rows lie side by side in runs under 16 elements"]
+        "reduction over a middle dim: its rows lie side by side in runs under 16 elements, "
+        "and it reduces over more than 8"]
+
+
+def _transposed(shape, dtype, device):
+    """A tensor of ``shape`` whose last dim has the largest stride (a bmm's transposed output):
+    runs of consecutive rows are 1 element long."""
+    t = randn(shape[:-2] + shape[-2:][::-1], dtype, device)
+    return t.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "mean", "amax", "amin"])
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_a_small_middle_dim_in_short_runs_is_added_elementwise(k, op, keepdim, dtype, device):
+    """Over dim 2 (k elements) of [3, 5, k, 7, 11] whose last dim has stride 7: the k slices
+    combined in one pointwise kernel with the producer; NaN propagates as in eager."""
+    x = _transposed((3, 5, k, 7, 11), dtype, device)
+    x[1, 2, k - 1, 3, 4] = float("nan")
+    f = lambda a: getattr(torch, op)(a * 3 + 1, 2, keepdim=keepdim)     # noqa: E731
+    assert x.stride(-1) != 1
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    ops = [o.split(".")[1] for o in reports[0].kernels[0]["ops"]]
+    assert not {"sum", "mean", "amax", "amin"} & set(ops), ops      # the slices combined
+    want = f(x)
+    assert out.shape == want.shape
+    assert_close(out, want, dtype=dtype)
+    assert torch.isnan(out.reshape(3, 5, 7, 11)[1, 2, 3, 4])
+
+
+def test_a_small_middle_dim_rounds_once_in_low_precision(device):
+    """bf16 halves of a sum that cancel: added in fp32 and rounded once, as ATen's sum,
+    not rounded after each add."""
+    a = torch.full((2, 1, 3, 5), 256.0, dtype=torch.bfloat16, device=device)
+    b = torch.full((2, 1, 3, 5), 1.0, dtype=torch.bfloat16, device=device)
+    c = torch.full((2, 1, 3, 5), -256.0, dtype=torch.bfloat16, device=device)
+    x = torch.cat([a, b, c], 1).transpose(-1, -2)       # [2, 3, 5, 3], last dim stride 5
+    f = lambda t: (t * 1).sum(1)                        # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert torch.equal(out, f(x)) and (out == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_query_key_gradient_by_bmm_stays_off_aten(dtype, device):
+    """Gemma 2's eager attention: keys repeated over 2 query groups (expand + reshape), scores
+    by bmm. The keys' gradient is a sum over the group dim of the bmm's transposed output;
+    it ran on ATen, now it is a pointwise kernel."""
+    b, kv, g, s, dh = 2, 3, 2, 9, 16
+    q = randn((b, kv * g, s, dh), dtype, device).requires_grad_()
+    key = randn((b, kv, s, dh), dtype, device).requires_grad_()
+
+    def f(q, key):
+        k = key[:, :, None].expand(b, kv, g, s, dh).reshape(b, kv * g, s, dh)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1).sum()
+
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(f, backend="fusion", fullgraph=True)(q, key)
+        out.backward()
+    got = (q.grad, key.grad)
+    q.grad = key.grad = None
+    f(q, key).backward()
+    left = leftover_aten(reports, "backward")
+    assert left and all(op.split(".")[1] == "bmm" for op in left), left
+    atol, rtol = TOL[dtype]
+    for name, g_, e in zip(("q", "key"), got, (q.grad, key.grad)):
+        assert_close(g_, e, dtype=dtype, atol=4 * atol, rtol=4 * rtol, name=name)
 
 
 def test_symbolic_sizes_and_dtypes_stay_on_aten(device):
