@@ -85,6 +85,8 @@ def _unrolled(gm, node, x, d) -> None:
             out = emit(gm, COMBINE[node.target], (out, part), mode)
         if node.target is aten.mean.dim:
             out = emit(gm, aten.div.Tensor, (out, k), mode)
+        elif k == 1 and not wide:   # one slice: a new tensor, as the reduction's, not a view
+            out = emit(gm, aten.clone.default, (out,), mode)
         if wide:
             out = emit(gm, prims.convert_element_type.default, (out, x.dtype), mode)
         shape = list(node.meta["val"].shape)

@@ -132,7 +132,7 @@ def _transposed(shape, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["sum", "mean", "amax", "amin"])
 @pytest.mark.parametrize("keepdim", [False, True])
-@pytest.mark.parametrize("k", [2, 3, 8])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
 def test_a_small_middle_dim_in_short_runs_is_added_elementwise(k, op, keepdim, dtype, device):
     """Over dim 2 (k elements) of [3, 5, k, 7, 11] whose last dim has stride 7: the k slices
     combined in one pointwise kernel with the producer; NaN propagates as in eager."""
@@ -148,6 +148,15 @@ def test_a_small_middle_dim_in_short_runs_is_added_elementwise(k, op, keepdim, d
     assert out.shape == want.shape
     assert_close(out, want, dtype=dtype)
     assert torch.isnan(out.reshape(3, 5, 7, 11)[1, 2, 3, 4])
+
+
+def test_a_reduction_over_one_element_is_a_new_tensor(device):
+    """``x.sum(1)`` of [3, 1, 3]: the one slice copied by a kernel, never a view of x (which
+    would alias the caller's tensor, as eager's result does not)."""
+    x = randn((3, 1, 3), torch.float32, device)
+    out, reports = compile_and_run(lambda a: a.sum(1), (x,))
+    assert kernel_count(reports) == 1 and torch.equal(out, x.sum(1))
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
 def test_a_small_middle_dim_rounds_once_in_low_precision(device):
