@@ -357,6 +357,16 @@ def roll_index(index, args, shape, forward=False):
     return tuple(out)
 
 
+def flip_index(index, args, shape):
+    """``flip(x, dims)``: the index of x read at output ``index`` (x at n - 1 - i along each
+    flipped dim), which is also where x's element at ``index`` lands (a flip is its own
+    inverse). Not a view, so not in INDEX_OPS."""
+    out = list(index)
+    for d in set(x % len(shape) for x in args[1]):
+        out[d] = sympy.sympify(shape[d]) - 1 - out[d]
+    return tuple(out)
+
+
 # Views that rewrite one index into another: op -> f(index, args, input shape) -> input index
 INDEX_OPS = {
     "aten.slice.Tensor": _slice, "aten.select.int": _select,

@@ -25,12 +25,13 @@ import sympy
 import torch
 
 from . import ops
-from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, join_digits, print_expr,
-                       roll_index, view_index)
-from .row_outputs import ROLL, alongside, layout_chain, pulled, push_index, reshaped
+from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, flip_index, join_digits,
+                       print_expr, roll_index, view_index)
+from .row_outputs import FLIP, ROLL, alongside, layout_chain, pulled, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
-from .lowered import (COL, REDUCTIONS, VIEWS, LoweredKernel, Phase, Var, flat_args,
+from .lowered import (COL, REDUCTIONS, SCAN_BLOCK, SCANS, VIEWS, LoweredKernel, Phase, Var,
+                      flat_args,
                       mean_hidden, partnered)
 
 
@@ -50,7 +51,8 @@ def iteration_space(ir: KernelIR):
     """("row", rows + (N,)) if the group reduces, else ("pointwise", output shape)."""
     if any(s == 0 for v in ir.values for s in v.shape):
         raise NotFusable("an empty tensor (a dimension of size 0): nothing to compute")
-    red_shapes = {ir.values[ref_id(op.args[0])].shape for op in ir.ops if op.target in REDUCTIONS}
+    red_shapes = {ir.values[ref_id(op.args[0])].shape for op in ir.ops
+                  if op.target in REDUCTIONS or op.target in SCANS}
     if len(red_shapes) > 1:
         raise NotFusable(f"reductions over different shapes {sorted(map(str, red_shapes))}")
     out_shapes = {ir.values[o].shape for o in ir.outputs}
@@ -300,6 +302,8 @@ class Lowering(PointwiseLowering):
         t, args, kw = op.target, op.args, dict(op.kwargs)
         if t in REDUCTIONS:
             return self._reduction_value(vid, index)
+        if t in SCANS:
+            return self._scan(vid, op, index, preds)
         if t in VIEWS or t in _INDEX_OPS:
             return self.value(ref_id(args[0]), self._source_index(op, vid, index), preds)
         if t == "aten.expand.default":
@@ -309,6 +313,9 @@ class Lowering(PointwiseLowering):
         if t == ROLL:
             src = ref_id(args[0])
             return self.value(src, roll_index(index, args, self.ir.values[src].shape), preds)
+        if t == FLIP:
+            src = ref_id(args[0])
+            return self.value(src, flip_index(index, args, self.ir.values[src].shape), preds)
         if t == "aten.as_strided.default":
             return self._as_strided(args, index, preds)
         if t == "aten.cat.default":
@@ -374,6 +381,29 @@ class Lowering(PointwiseLowering):
             raise NotFusable("reduction used before it is computed")
         return self.memo[("red", vid)]
 
+    def _scan(self, vid, op: IROp, index, preds) -> Var:
+        """A cumsum along the row, in a persistent kernel: ``tl.cumsum`` over the row's block
+        (fp32 for float results, each prefix rounded once to their dtype, as ATen's CPU scan
+        and Inductor's; ATen's CUDA scan adds bf16/fp16 partials in their own precision, less
+        exactly; int64 for integer ones), its columns past the row zero. Read at its own position
+        only: a view, a gather or a cat's range reading it elsewhere is refused."""
+        if self.kind != "row" or tuple(index) != tuple(self.full) or preds:
+            raise NotFusable("a cumsum is read at another position than its own (a view, a "
+                             "gather, a cat or a pad reads it): its sums run along its rows")
+        n = self.shape[-1]
+        if not self.persistent or not n.is_Integer or \
+                1 << max(int(n) - 1, 0).bit_length() > SCAN_BLOCK:
+            raise NotFusable(f"a cumsum over rows of {n}: only static rows of at most "
+                             f"{SCAN_BLOCK} elements are scanned in one block")
+        out = self.ir.values[vid]
+        if out.dtype == torch.float64:
+            raise NotFusable("fp64 cumsums stay on ATen")
+        acc = torch.float32 if out.dtype.is_floating_point else torch.int64
+        src = self.value(ref_id(op.args[0]), index, preds)
+        x = ops.cast(src.name, src.dtype, acc, guard=False)
+        total = self._assign(f"tl.cumsum(tl.where(mask, {x}, 0), axis=1)", acc, True, op.target)
+        return self._assign(ops.cast(total.name, acc, out.dtype, guard=False), out.dtype, True)
+
     def _as_strided(self, args, index, preds):
         """as_strided addresses its input's storage: find the loaded tensor under the views."""
         src = ref_id(args[0])
@@ -390,6 +420,12 @@ class Lowering(PointwiseLowering):
         """cat as index arithmetic: each input is read under the predicate of its range."""
         out = self.ir.values[vid]
         dim = (args[1] if len(args) > 1 else kw.get("dim", 0)) % len(out.shape)
+        refs = {ref_id(a) for a in args[0] if self.ir.values[ref_id(a)].shape[dim] != 0}
+        if len(refs) == 1 and self.ir.values[min(refs)].shape[dim] == 1:
+            # copies of one value of size 1 along dim (a repeat: nearest upsampling's): every
+            # part reads it at 0 there, so it is read once, under no range's predicate
+            return self.value(min(refs), index[:dim] + (sympy.Integer(0),) + index[dim + 1:],
+                              preds)
         parts, lo = [], sympy.Integer(0)
         for a in args[0]:
             size = self.ir.values[ref_id(a)].shape[dim]

@@ -12,6 +12,10 @@ from .kernel_ir import KernelIR, ref_id
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.mean.dim": "mean",
               "aten.amax.default": "max", "aten.amin.default": "min",
               "aten.any.dim": "max"}      # any: the max of (x != 0) as 0.0 / 1.0
+# scans: per-element results along the row, computed in a persistent row kernel alone (the
+# whole row in one block of at most SCAN_BLOCK columns: tl.cumsum over it)
+SCANS = {"aten.cumsum.default": "sum"}
+SCAN_BLOCK = 16384
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
 GATHERS = {"aten.embedding.default", "aten.gather.default", "aten.index_select.default"}
 COL = sympy.Symbol("c", integer=True, nonnegative=True)

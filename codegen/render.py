@@ -15,7 +15,7 @@ from .kernel_ir import KernelIR, NotFusable, ref_id
 from .kernel_source import render_kernel
 from .launcher import render_launcher, row_inplace_outputs
 from .lower import Lowering, iteration_space
-from .lowered import GATHERS
+from .lowered import GATHERS, SCANS
 from .multipart import split
 from .resident import NotHeld
 from .row_loops import partial_slots
@@ -41,6 +41,9 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
         kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
         n = shape[-1]
+        if n.is_Integer and any(op.target in SCANS for op in ir.ops):
+            # a scan holds its row in one block (the lowering refused longer or symbolic rows)
+            max_persistent_block = max(max_persistent_block, _next_pow2(int(n)))
         fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
         if not n.is_Integer or fits:
             lk = Lowering(ir, hints, True).run()

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import sympy
 
-from .indexing import INDEX_OPS, roll_index, view_index
+from .indexing import INDEX_OPS, flip_index, roll_index, view_index
 from .kernel_ir import KernelIR, ref_id
-from .lowered import GATHERS, REDUCTIONS, VIEWS, flat_args
+from .lowered import GATHERS, REDUCTIONS, SCANS, VIEWS, flat_args
 
 
 # ops that only lay out their one input again: an output reached from a per-element value of
 # a row kernel through them is that value stored at another address (Swin's window partition,
 # and its cyclic shift before it: a roll)
 ROLL = "aten.roll.default"
+FLIP = "aten.flip.default"
 _LAYOUT = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
                    "aten.clone.default", "aten.alias.default", "aten.detach.default",
                    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.constant_pad_nd.default",
-                   ROLL}
+                   ROLL, FLIP}
 
 
 # views that read each element of their input once: an output that reaches the rows through them
@@ -41,7 +42,7 @@ _PULL = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
 
 
 _MOVES = {"aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.as_strided.default",
-          "aten.cat.default", "aten.constant_pad_nd.default", ROLL} | set(GATHERS)
+          "aten.cat.default", "aten.constant_pad_nd.default", ROLL, FLIP} | set(GATHERS)
 
 
 def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
@@ -63,7 +64,7 @@ def reshaped(ir: KernelIR, vid: int, shape: tuple) -> bool:
             continue
         seen.add(v)
         op = ir.ops[v - n_in]
-        if op.target in _MOVES or op.target in REDUCTIONS:
+        if op.target in _MOVES or op.target in REDUCTIONS or op.target in SCANS:
             return False
         stack.extend(r for r in map(ref_id, flat_args(op.args)) if r is not None)
     return True
@@ -110,10 +111,12 @@ def pulled(ir: KernelIR, vid: int, shape: tuple):
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):
     """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
     per-element value ``root`` laid out again by those ops (root first: views, permutes, a
-    clone, a padding of 0, a roll), each element once; else None. A roll keeps the shape, so
-    the walk goes on through rolls of the reduction's shape too."""
+    clone, a padding of 0, a roll, a flip), each element once; else None. A roll or a flip
+    keeps the shape, so the walk goes on through those of the reduction's shape too (a
+    cumsum's gradient: the flipped cumsum of the flipped gradient)."""
     ops, n_in = [], len(ir.inputs)
-    while ir.values[vid].shape != shape or (vid >= n_in and ir.ops[vid - n_in].target == ROLL):
+    while ir.values[vid].shape != shape or (vid >= n_in
+                                            and ir.ops[vid - n_in].target in (ROLL, FLIP)):
         if vid < n_in:
             return None
         op = ir.ops[vid - n_in]
@@ -151,5 +154,7 @@ def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) ->
             index = index[:d] + index[d + 1:] if shape[d] == 1 else index
         elif t == ROLL:
             index = roll_index(index, op.args, shape, forward=True)
+        elif t == FLIP:
+            index = flip_index(index, op.args, shape)
         shape = out
     return index

@@ -57,7 +57,8 @@ _VIEW = [
     aten.as_strided.default, aten.detach.default,
 ]
 _REDUCTION = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-              aten.any.dim]
+              aten.any.dim,
+              aten.cumsum.default]     # a scan: a row kernel's per-element prefix sums
 
 OP_KINDS: dict = {
     **{op: OpKind.POINTWISE for op in _POINTWISE},
@@ -70,6 +71,7 @@ OP_KINDS: dict = {
     aten.gather.default: OpKind.INJECTIVE,        # a gather along one dimension
     aten.index_select.default: OpKind.INJECTIVE,  # a gather along one dimension, 1-d index
     aten.roll.default: OpKind.INJECTIVE,          # a rotation: index arithmetic
+    aten.flip.default: OpKind.INJECTIVE,          # a reversal: index arithmetic
 }
 GATHERS = (aten.embedding.default, aten.gather.default,    # checked by _is_plain_gather
            aten.index_select.default)
@@ -117,7 +119,10 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
             return OpKind.OPAQUE
         elif arg_info.device != info.device and not is_host_scalar(arg_info):
             return OpKind.OPAQUE
-    if kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):
+    if node.target is aten.cumsum.default:
+        if not _is_last_dim_scan(node, info):
+            return OpKind.OPAQUE
+    elif kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):
         return OpKind.OPAQUE
     if node.target in GATHERS and not _is_plain_gather(node):
         return OpKind.OPAQUE
@@ -187,6 +192,21 @@ def _is_last_dim_reduction(node: torch.fx.Node, info: TensorInfo) -> bool:
     if node.target == aten.any.dim:
         return src.dtype == torch.bool     # any over a mask (safe softmax's fully-masked rows)
     return src.dtype.is_floating_point
+
+
+SCAN_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+
+
+def _is_last_dim_scan(node: torch.fx.Node, info: TensorInfo) -> bool:
+    """A cumsum is generated over the last dimension of a tensor of at least one dim, into
+    fp32/fp16/bf16 or int32/int64 (``dtype=`` or ATen's: int64 for integer and bool inputs);
+    fp64 and other dims stay on ATen. (Rows longer than ``SCAN_BLOCK`` are refused by the
+    lowering, which knows the row's length.)"""
+    src = node.args[0].meta["fc_tensor"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(dim, int) or src.ndim == 0 or dim % src.ndim != src.ndim - 1:
+        return False
+    return info.dtype in SCAN_DTYPES and src.dtype != torch.float64
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:

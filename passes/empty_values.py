@@ -44,7 +44,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         info = node.meta.get("fc_tensor")
         if info is None or not _static_empty(info) or not is_pure(node.target):
             continue
-        if node.meta["fc_kind"] is OpKind.REDUCTION:
+        if node.meta["fc_kind"] is OpKind.REDUCTION and node.target is not aten.cumsum.default:
             extent = node.args[0].meta["fc_tensor"].shape[-1]      # last-dim reductions only
             if not (isinstance(extent, sympy.Integer) and extent > 0):
                 continue

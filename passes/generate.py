@@ -252,6 +252,8 @@ def label(group) -> str:
         parts.append("tanh")            # e.g. Gemma 2's soft-capping of attention scores
     if pool:
         parts.append("maxpool")
+    if "cumsum" in ops:
+        parts.append("cumsum")
     if out_dtypes & fp8:
         parts.append("quant")
     if in_dtypes & ({torch.int8, torch.uint8} | fp8) and not out_dtypes & fp8 and not pool:

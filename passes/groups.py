@@ -219,8 +219,9 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
         return 1, (), "pointwise"
     src = reductions[0].args[0].meta["fc_tensor"]
     n = hint(src.shape[-1], ctx.size_hints)
-    if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block:
-        return 1, (), "rows"
+    if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block or any(
+            m.target is torch.ops.aten.cumsum.default for m in reductions):
+        return 1, (), "rows"        # a scan's row is one block, whatever its length
     if src.shape[-1].is_Integer and _resident(group, src, n, ctx):
         return 1, (), "rows, held"
     level, graph = {}, _FXGraph(set(group.members))

@@ -8,7 +8,8 @@ and ``index_select`` along a dim
 by an index made from constants, ``cat`` along the last dim, last-dim reductions
 (sum/mean/amax/amin, keepdim or not, then broadcast back; softmax), sums over leading dims
 (``passes/column_sums``: split sums of strided rows; maybe scaled first, broadcast back) and
-now and then an op that stays on ATen (cumsum) -- over random shapes (odd sizes included),
+cumsums along the last dim (scans), flips, now and then an op that stays on ATen (cummax) --
+over random shapes (odd sizes included),
 dtypes (fp32/fp16/bf16, mixed), input layouts (contiguous, transposed, sliced, offset,
 expanded) and FUSION_COMPILER_MAX_PERSISTENT_BLOCK (small values make rows use the looped
 kernel; half of those programs also split few long rows across programs, ``_split_rows``). A program is Python source (``Program.source()``), so a failing example prints as a
@@ -44,7 +45,7 @@ draw programs that hit them, and ``check_program`` assume()s those away (``KNOWN
 Examples: FUSION_FUZZ_EXAMPLES (default 40; ``test_fuzz_gradients`` 20; deadline off); with CI
 set the run is derandomized. ``test_fuzz_programs_slow`` (``pytest -m slow`` or
 FUSION_FUZZ_SLOW=1) runs FUSION_FUZZ_EXAMPLES or 2000 examples. With FUSION_FUZZ_LOG=path each program that passed
-appends a line there (counts of runs cut short, e.g. many processes under a time limit). ``test_fuzz_masked_rows`` draws masked safe softmaxes
+appends a line there, the kinds of its ops (counts of runs cut short, e.g. many processes under a time limit). ``test_fuzz_masked_rows`` draws masked safe softmaxes
 (``scalar_tensor`` fill, ``any`` over the mask, ``full_like`` zeros: SDPA's math form) over
 random rows, lengths, dtypes and fully masked rows; FUSION_FUZZ_EXAMPLES or 25.
 """
@@ -87,7 +88,7 @@ FUSED_OP_NAMES = {
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "exp", "tanh", "sigmoid", "rsqrt", "sqrt",
     "relu", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "gt", "lt", "ge",
     "le", "eq", "ne", "_to_copy", "convert_element_type", "clone", "copy", "cat", "sum", "mean",
-    "amax", "amin", "gather", "index_select", "roll", "constant_pad_nd",
+    "amax", "amin", "gather", "index_select", "roll", "constant_pad_nd", "cumsum", "flip",
 }
 
 
@@ -430,23 +431,30 @@ class _Builder:
             return None
         if len(sa) >= 2 and _rare(d, 3):
             return self.column_sum(a)
-        kind = d(st.sampled_from(["sum", "mean", "softmax"]
+        kind = d(st.sampled_from(["sum", "mean", "softmax", "cumsum"]
                                  + (["amax", "amin"] if self._jumps_ok(a) else [])))
+        if kind == "cumsum":        # a scan along the last dim (codegen/lower.py: _scan)
+            dim = d(st.sampled_from([-1, len(sa) - 1]))
+            expr = f"torch.cumsum({a}, {dim})" if d(st.booleans()) else f"{a}.cumsum({dim})"
+            return self.add("cumsum", expr, [a], self.bound(a) * sa[-1])
         keepdim = d(st.booleans())
         dim = d(st.sampled_from([-1, len(sa) - 1]))
+        if kind != "softmax" and len(sa) >= 3 and _rare(d, 3):
+            # over a middle dim (passes/middle_dims: a permuted row, or slices added)
+            dim = d(st.integers(1, len(sa) - 2))
         expr = f"{a}.{kind}({dim}" + (", keepdim=True)" if keepdim else ")")
         if _rare(d, 3):
             expr = f"torch.{kind}({a}, {dim}" + (", keepdim=True)" if keepdim else ")")
-        bound = self.bound(a) * (sa[-1] if kind == "sum" else 1)
+        bound = self.bound(a) * (sa[dim] if kind == "sum" else 1)
         if kind == "softmax":
             return self.add("softmax", f"torch.softmax({a}, {dim})", [a], 1.0)
-        r = self.add(kind, expr, [a], bound, {"keepdim": keepdim})
+        r = self.add(kind, expr, [a], bound, {"keepdim": keepdim, "dim": dim % len(sa)})
         if r is None or not d(st.booleans()):
             return r
         # broadcast the reduction back against the tensor it reduced (normalisation patterns)
         back = d(st.sampled_from(["sub", "div", "mul", "add"]
                                  + ([] if self.grad else ["maximum"])))
-        rb = r if keepdim else f"{r}.unsqueeze(-1)"
+        rb = r if keepdim else f"{r}.unsqueeze({dim % len(sa) if dim >= 0 else -1})"
         ba, br = self.bound(a), self.bound(r)
         if back == "div":
             return self.add("div", f"{a} / (torch.abs({rb}) + 0.5)", [a, rb], 2 * ba,
@@ -467,7 +475,7 @@ class _Builder:
         kind = kind or d(st.sampled_from(["reshape", "unsqueeze", "squeeze", "transpose",
                                           "permute", "contiguous", "slice", "expand",
                                           "gather", "index_select", "roll", "pad",
-                                          "slice_scatter"]))
+                                          "slice_scatter", "flip"]))
         b = self.bound(a)
         if kind == "pad":
             # F.pad of the last one or two dims, crops (negative amounts) among them
@@ -523,6 +531,11 @@ class _Builder:
             dims = d(st.permutations(list(range(r))))[:d(st.integers(1, min(r, 2)))]
             shifts = [d(st.integers(-sa[k] - 1, sa[k] + 1)) for k in dims]
             return self.add("roll", f"torch.roll({a}, {shifts}, {list(dims)})", [a], b)
+        if kind == "flip":
+            if r == 0:
+                return None
+            dims = d(st.permutations(list(range(r))))[:d(st.integers(1, r))]
+            return self.add("flip", f"{a}.flip({list(dims)})", [a], b)
         if kind == "reshape":
             how = d(st.sampled_from(["merge", "split", "flatten"]))
             if how == "merge" and r >= 2:
@@ -605,8 +618,8 @@ class _Builder:
         sa = self.shape(a)
         if len(sa) == 0:
             return None
-        return self.add("cumsum", f"torch.cumsum({a}, -1)", [a],
-                        self.bound(a) * sa[-1], compute=False)
+        return self.add("cummax", f"torch.cummax({a}, -1).values", [a], self.bound(a),
+                        compute=False)
 
 
 @st.composite
@@ -666,11 +679,11 @@ def _approx(t, ulps=4) -> float:
     return ulps * 2 * UNIT[torch.float32] * max(_mx(t), 1.0) + 2 * UNIT[t.dtype] * _mx(t)
 
 
-def _order(x) -> float:
+def _order(x, dim=-1) -> float:
     """Sums reduce in another order (tree in the kernel, vectorised chunks in eager), both
     accumulating in fp32: the results differ by a few fp32 ulps of the row's sum of |x|."""
-    n = x.shape[-1] if x.ndim else 1
-    row_abs = _mx(x.double().abs().nan_to_num(0.0).sum(-1)) if x.ndim else _mx(x)
+    n = x.shape[dim] if x.ndim else 1
+    row_abs = _mx(x.double().abs().nan_to_num(0.0).sum(dim)) if x.ndim else _mx(x)
     return (n / 8 + math.log2(n + 1) + 2) * 2 * UNIT[torch.float32] * row_abs
 
 
@@ -688,7 +701,7 @@ def error_bound(prog: Program, vals: dict) -> dict:
         ein = max(es, default=0.0)
         k = op.kind
         if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat",
-                 "gather", "index_select", "roll", "pad"):
+                 "gather", "index_select", "roll", "pad", "flip", "cummax"):
             err = ein                                   # exact, Lipschitz 1 (or a selection)
         elif k == "slice_scatter":
             err = 2 * ein                               # a selection of a and a * 2 (exact)
@@ -759,14 +772,12 @@ def error_bound(prog: Program, vals: dict) -> dict:
             err = (ein * n + (n / 8 + math.log2(n + 1) + 2) * 2 * UNIT[torch.float32] * col_abs
                    + 2 * _flip(y, 1))
         elif k in ("sum", "mean", "cumsum"):
-            x = ins[0]
-            n = x.shape[-1] if x.ndim else 1
-            # a drift of every element adds up over the row (mean: averages)
+            x, dim = ins[0], op.params.get("dim", -1)
+            n = x.shape[dim] if x.ndim else 1
+            # a drift of every element adds up over the row (mean: averages); a cumsum's
+            # prefixes are summed in another order (a tree in the kernel), as a sum's row
             err = ein * (1 if k == "mean" else n)
-            if k != "cumsum":         # cumsum runs on ATen in both: same order
-                err += _order(x) / (n if k == "mean" else 1) + 2 * _flip(y, 1)
-            else:
-                err += _flip(y, ein)
+            err += _order(x, dim) / (n if k == "mean" else 1) + 2 * _flip(y, 1)
         else:
             raise AssertionError(f"no error rule for {k}")
         e[op.out] = err
@@ -880,6 +891,13 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
         if "aten.sum.dim_IntList" in unexplained:
             note(f"column sum left on ATen: {a['reason']}")
             unexplained.remove("aten.sum.dim_IntList")
+    # a reduction over a middle dim that passes/middle_dims declined says why (its why_left)
+    for a in [a for r in reports for a in (r.summary or {}).get("aten_ops", [])
+              if a["reason"].startswith("reduction over a middle dim:")]:
+        same = [t for t in unexplained if _fused_name(t) == a["op"].split(".")[0]]
+        if same:
+            note(f"middle-dim reduction left on ATen: {a['reason']}")
+            unexplained.remove(same[0])
     assert not unexplained, (f"fusable ATen ops left unfused without a reason: {unexplained}; "
                              f"decisions: {[r.decisions for r in reports]}")
     return reports
@@ -948,7 +966,7 @@ def check_program(prog: Program):
         check_program_fn(fn, args, prog, bounds)
     if os.environ.get("FUSION_FUZZ_LOG"):        # a line per program that passed: counts at scale
         with open(os.environ["FUSION_FUZZ_LOG"], "a") as log:
-            log.write("ok\n")
+            log.write("ok " + " ".join(sorted({op.kind for op in prog.ops})) + "\n")
 
 
 def _fuzz_settings(n: int):
@@ -1010,7 +1028,7 @@ def check_gradients(prog: Program):
         assert_close(x.grad, y.grad, atol=1e-3 * scale, rtol=1e-3, name=f"grad of {spec.name}")
     if os.environ.get("FUSION_FUZZ_LOG"):
         with open(os.environ["FUSION_FUZZ_LOG"], "a") as log:
-            log.write("grad ok\n")
+            log.write("grad ok " + " ".join(sorted({op.kind for op in prog.ops})) + "\n")
 
 
 def test_fuzz_gradients():

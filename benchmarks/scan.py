@@ -1,0 +1,100 @@
+"""Cumulative sums as scans in row kernels (codegen/lower.py ``_scan``), timed against eager and
+Inductor: do_bench medians over interleaved rounds, fresh random inputs, max error against
+eager, and for the memory-bound float scans the HBM floor (bytes that must move over the copy
+bandwidth measured in the same run).
+
+    python3 benchmarks/scan.py [--rounds 5]
+
+Cases:
+  positions   BLOOM's alibi positions, ``(mask.cumsum(-1) - 1) * mask`` of an int64 [8, 512]
+              padding mask (launch-bound; ATen's scan is several kernels)
+  positions-4k   the same on [64, 4096]
+  scan-bf16   ``cumsum(x * 0.5, -1).to(bf16)`` of a bf16 [4096, 4096] (read 2 B, write 2 B)
+  scan-grad   forward and backward of ``cumsum(x, -1).sin()``, bf16 [1024, 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+
+def positions(m):
+    return (m.cumsum(-1) - 1) * m
+
+
+def scan(x):
+    return torch.cumsum(x * 0.5, -1).to(torch.bfloat16)
+
+
+def scan_grad(x):
+    return torch.cumsum(x, -1).sin()
+
+
+def _copy_bandwidth() -> float:
+    """Bytes a second of a bf16 copy of 1 GiB (read + write)."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = _copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    cases = {
+        "positions": (positions, lambda: ((torch.rand(8, 512, device="cuda") > 0.2).long(),),
+                      None, False),
+        "positions-4k": (positions, lambda: ((torch.rand(64, 4096, device="cuda") > 0.2).long(),),
+                         None, False),
+        "scan-bf16": (scan, lambda: (torch.randn(4096, 4096, device="cuda",
+                                                 dtype=torch.bfloat16),), 4096 * 4096 * 4, False),
+        "scan-grad": (scan_grad, lambda: (torch.randn(1024, 2048, device="cuda",
+                                                      dtype=torch.bfloat16).requires_grad_(),),
+                      None, True),
+    }
+    for name, (fn, make, floor_bytes, grad) in cases.items():
+        inputs = make()
+        variants = {"eager": fn}
+        for backend in ("inductor", "fusion"):
+            torch._dynamo.reset()
+            variants[backend] = torch.compile(fn, backend=backend)
+
+        def run(f, ins):
+            out = f(*ins)
+            if grad:
+                ins[0].grad = None          # a fresh gradient, no accumulating add
+                out.backward(torch.ones_like(out))
+            return out
+        want = run(fn, inputs)
+        want_grad = inputs[0].grad.clone() if grad else None
+        errors = {}
+        for v, f in variants.items():
+            ins = tuple(t.detach().clone().requires_grad_(grad) if grad else t for t in inputs)
+            got = run(f, ins)
+            err = (got.double() - want.double()).abs().max().item()
+            if grad:
+                err = max(err, (ins[0].grad.double() - want_grad.double()).abs().max().item())
+            errors[v] = err
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v, f in variants.items():
+                ins = tuple(t.detach().clone().requires_grad_(grad) if grad else t
+                            for t in make())
+                times[v].append(do_bench(lambda: run(f, ins), warmup=25, rep=100) * 1e3)
+        line = [f"{name:13s}"]
+        for v in variants:
+            us = statistics.median(times[v])
+            extra = f" ({100 * floor_bytes / bw / (us * 1e-6):.0f}% of floor)" if floor_bytes else ""
+            line.append(f"{v} {us:8.1f} us{extra} err {errors[v]:.2g}")
+        print("  ".join(line))
+
+
+if __name__ == "__main__":
+    main()

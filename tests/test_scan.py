@@ -1,0 +1,205 @@
+"""Cumulative sums (``cumsum`` over the last dim) as scans in persistent row kernels, fused with
+what computes their input and what reads their result; ``flip`` as index arithmetic, so that a
+cumsum's gradient (the flipped cumsum of the flipped gradient) is one kernel. Kernel counts and
+values against eager on random data, odd sizes, each dtype with its tolerance; what stays on
+ATen says why."""
+import pytest
+import torch
+
+import fusion_compiler
+from helpers import TOL, aten_reasons, assert_close, compile_and_run, kernel_count, leftover_aten
+from patterns import randn
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _scan_tol(dtype, n):
+    """A prefix sum of n terms in another order than eager's (a tree in the kernel, a running
+    sum in eager), both in fp32, rounded to ``dtype`` once: a few fp32 ulps of the prefix's
+    sum of |x|, then one rounding of the result that may fall the other way."""
+    atol, rtol = TOL[dtype]
+    return atol * max(1, n ** 0.5), rtol
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("shape", [(5, 37), (3, 4, 129), (1000,)], ids=str)
+def test_a_cumsum_between_pointwise_ops_is_one_kernel(shape, dtype, device):
+    """Producer, scan and consumer in one persistent row kernel, no ATen op."""
+    x = randn(shape, dtype, device)
+    f = lambda a: (torch.cumsum(a * 0.5 + 1, -1) * 0.25).sigmoid()      # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert [k["label"] for k in reports[0].kernels] == ["cumsum"]
+    atol, rtol = _scan_tol(dtype, shape[-1])
+    assert_close(out, f(x), dtype=dtype, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_a_softmax_of_a_cumsum_is_one_kernel(dtype, device):
+    """A reduction reading the scan's values: the max and the sum of exps over the prefix
+    sums, in the same registers."""
+    x = randn((6, 50), dtype, device)
+    f = lambda a: torch.softmax(torch.cumsum(a, -1), -1)       # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(x), dtype=dtype, atol=4 * TOL[dtype][0], rtol=4 * TOL[dtype][1])
+
+
+def test_a_cumsum_after_a_reduction_scans_what_the_row_computes(device):
+    """cumsum(exp(x - max)) / sum: the scan reads values of the second phase."""
+    x = randn((7, 33), torch.float32, device)
+
+    def f(a):
+        e = torch.exp(a - a.amax(-1, keepdim=True))
+        return torch.cumsum(e, -1) / e.sum(-1, keepdim=True)
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    want = f(x)
+    assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out[:, -1], torch.ones(7, device=device), atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.int32, torch.bool], ids=str)
+def test_position_ids_from_a_padding_mask_are_exact(mask_dtype, device):
+    """BLOOM's alibi and OPT's positions: ``(mask.cumsum(-1) - 1) * mask`` on an integer
+    mask, exact in int64 (ATen's result dtype for integer and bool inputs)."""
+    mask = (torch.rand(8, 61, device=device) > 0.3).to(mask_dtype)
+    f = lambda m: (m.cumsum(-1) - 1) * m      # noqa: E731
+    out, reports = compile_and_run(f, (mask,))
+    want = f(mask)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert out.dtype == want.dtype == torch.int64 and torch.equal(out, want)
+
+
+def test_large_integer_prefix_sums_do_not_overflow_int32(device):
+    """int32 inputs summed in int64, as ATen: prefix sums past 2^31."""
+    x = torch.full((2, 300), 2 ** 24, dtype=torch.int32, device=device)
+    x[1] = -x[1]
+    f = lambda a: torch.cumsum(a, -1) + 1       # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and torch.equal(out, f(x))
+    assert out[0, -1] == 300 * 2 ** 24 + 1 > 2 ** 31
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_cumsum_into_fp32_of_a_low_precision_input(dtype, device):
+    """``dtype=torch.float32``: accumulated and stored in fp32."""
+    x = randn((4, 77), dtype, device)
+    f = lambda a: torch.cumsum(a * 2, -1, dtype=torch.float32)     # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    want = f(x)
+    assert out.dtype == torch.float32
+    assert_close(out, want, atol=1e-5 * 77, rtol=1e-5)
+
+
+def test_low_precision_prefixes_round_each_element_once(device):
+    """Each prefix is summed in fp32 and rounded once (as ATen's CPU scan and Inductor's): 256
+    + 1 + ... in bf16 keeps counting where a bf16 running sum sticks. ATen's CUDA scan adds
+    bf16 partial sums in bf16 (on the H200 it gives 256, 256, 256, 258 for 256, 257, 258, 259
+    rounded: 256, 256, 258, 260), so the reference is the fp32 scan rounded."""
+    x = torch.ones(2, 40, dtype=torch.bfloat16, device=device)
+    x[:, 0] = 256
+    f = lambda a: torch.cumsum(a * 1, -1)       # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    want = torch.cumsum(x.float(), -1).to(torch.bfloat16)
+    assert kernel_count(reports) == 1 and torch.equal(out, want)
+    assert out[0, -1] == 296
+
+
+def test_nan_and_inf_propagate_along_the_row(device):
+    x = randn((3, 20), torch.float32, device)
+    x[0, 5], x[1, 7], x[2, 3] = float("nan"), float("inf"), -float("inf")
+    f = lambda a: torch.cumsum(a + 1, -1)      # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1
+    want = f(x)
+    assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(out[0, 5:]).all() and not torch.isnan(out[0, :5]).any()
+    assert torch.isposinf(out[1, 7:]).all()
+
+
+def test_strided_rows_scan_along_the_row(device):
+    """A transposed input: the row's elements lie apart in memory."""
+    x = randn((45, 6), torch.float32, device).t()
+    f = lambda a: torch.cumsum(a * 3, -1) - a      # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(x), atol=1e-5 * 45, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_cumsum_gradient_is_one_kernel(dtype, device):
+    """The backward of cumsum is ``flip(cumsum(flip(g)))``: the gradient read flipped, the
+    scan, the result stored flipped; before, the flips and the scan ran on ATen."""
+    x = randn((6, 45), dtype, device).requires_grad_()
+    f = lambda a: torch.cumsum(a, -1).sin()     # noqa: E731
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(f, backend="fusion", fullgraph=True)(x)
+        out.sum().backward()
+    got = x.grad
+    x.grad = None
+    want = f(x)
+    want.sum().backward()
+    atol, rtol = _scan_tol(dtype, 45)
+    assert_close(out, want, dtype=dtype, atol=atol, rtol=rtol)
+    assert_close(got, x.grad, dtype=dtype, atol=4 * atol, rtol=4 * rtol, name="grad")
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports, "forward") == 1 and kernel_count(reports, "backward") == 1
+
+
+@pytest.mark.parametrize("dims", [(-1,), (0,), (0, 1), (1, 2)], ids=str)
+def test_flip_is_index_arithmetic(dims, device):
+    x = randn((3, 5, 7), torch.float32, device)
+    f = lambda a: a.flip(dims) * 2 + 1         # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert torch.equal(out, f(x))
+
+
+def test_a_scan_read_at_another_position_is_its_own_kernel(device):
+    """A transpose of the scan's result read by an op: the scan is stored by its kernel and
+    the op reads it from memory (never computed at another position)."""
+    x, y = randn((9, 9), torch.float32, device), randn((9, 9), torch.float32, device)
+    f = lambda a, b: torch.cumsum(a, -1).t() * b      # noqa: E731
+    out, reports = compile_and_run(f, (x, y))
+    assert leftover_aten(reports) == [] and kernel_count(reports) == 2
+    assert_close(out, f(x, y), atol=1e-5 * 9, rtol=1e-5)
+
+
+def test_what_stays_on_aten_says_why(device):
+    """Other dims (their rows lie apart: ATen's scan), fp64, and rows longer than one block."""
+    x = randn((6, 20), torch.float32, device)
+    g = lambda a: torch.cumsum(a * 2, 0)        # noqa: E731
+    out, reports = compile_and_run(g, (x,))
+    assert_close(out, g(x), atol=1e-5, rtol=1e-5)
+    assert leftover_aten(reports) == ["aten.cumsum.default"]
+    assert any("cumsum" in r for r in aten_reasons(g, x))
+    d = lambda a: torch.cumsum(a.double() * 2, -1)     # noqa: E731
+    out, reports = compile_and_run(d, (x,))
+    assert torch.allclose(out, d(x)) and "aten.cumsum.default" in leftover_aten(reports)
+    long = randn((2, 16385), torch.float32, device)
+    h = lambda a: torch.cumsum(a * 2, -1) + 1   # noqa: E731
+    out, reports = compile_and_run(h, (long,))
+    assert_close(out, h(long), atol=1e-3, rtol=1e-4)
+    assert "aten.cumsum.default" in leftover_aten(reports)
+    assert any("at most 16384 elements" in why for r in reports
+               for _, why in r.groups_not_generated) or any(
+        "at most 16384 elements" in r for r in aten_reasons(h, long))
+
+
+def test_dynamic_row_length_stays_on_aten(device):
+    x = randn((4, 30), torch.float32, device)
+    torch._dynamo.mark_dynamic(x, 1)
+    f = lambda a: torch.cumsum(a * 2, -1) + 1  # noqa: E731
+    out, reports = compile_and_run(f, (x,), dynamic=True)
+    assert_close(out, f(x), atol=1e-5 * 30, rtol=1e-5)
+    assert "aten.cumsum.default" in leftover_aten(reports)
+
+
+def test_the_scan_is_tl_cumsum_over_the_masked_row(device):
+    x = randn((5, 37), torch.float32, device)
+    _, reports = compile_and_run(lambda a: torch.cumsum(a * 2, -1), (x,))
+    src = "\n".join(open(k["path"]).read() for r in reports for k in r.kernels)
+    assert "tl.cumsum(tl.where(mask, " in src and "axis=1)" in src
