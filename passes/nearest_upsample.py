@@ -8,11 +8,12 @@ kernels) to keep them for the backward. Where each spatial size is the input's t
 of two s, ATen's nearest index ``floor(i * (1 / s))`` is exactly ``i // s`` (1 / s is exact in
 floating point), and the call becomes, along each spatial dim d in turn,
 
-    x.unsqueeze(d + 1) padded to s along d + 1 at each offset r (pad value -0.0), summed over
-    r, reshaped [..., n * s, ...]        (each output element one term; x + -0.0 is x, -0.0 too)
+    cat([x.unsqueeze(d + 1)] * s, d + 1), reshaped [..., n * s, ...]
 
-so that the forward reads x by index arithmetic in the kernel that reads the output, and the
-backward, a pad's gradient being a slice, is the sum of the s slices of the output gradient
+so that the forward reads x by index arithmetic in the kernel that reads the output (once: a
+cat of copies of one value of size 1 along its dim, ``Lowering._cat``), bits copied as they are
+(-0.0 and NaN too; session 48's form, pads of -0.0 summed, lost -0.0's sign on the GPU), and the
+backward, a cat's gradient being slices, is the sum of the s slices of the output gradient
 (``s_h * s_w`` strided reads an element in 2-d), pointwise in one kernel with what computes
 the gradient. bf16 and fp16 inputs go through fp32 (exact conversions forward), so that the
 backward sums in fp32 and rounds once, as ATen's upsample backward does. fp32, fp64, bf16 and
@@ -23,7 +24,6 @@ not equal.
 from __future__ import annotations
 
 import inspect
-import operator
 
 import torch
 import torch.nn.functional as F
@@ -84,13 +84,7 @@ def run(gm: torch.fx.GraphModule) -> int:
                 continue
             value = example_value(out)
             last = out = add_call(gm, last, torch.unsqueeze, (out, d + 1))
-            after = value.dim() - (d + 1)           # dims after d + 1 in the unsqueezed tensor
-            total = None
-            for r in range(s):
-                last = pad = add_call(gm, last, F.pad, (out, [0, 0] * after + [r, s - 1 - r]),
-                                  {"value": -0.0})
-                total = pad if total is None else add_call(gm, last, operator.add, (total, pad))
-                last = total
+            last = total = add_call(gm, last, torch.cat, ([out] * s, d + 1))
             shape = list(value.shape)
             shape[d] *= s
             last = out = add_call(gm, last, torch.reshape, (total, shape))

@@ -58,9 +58,10 @@ def add_call(gm, after, target, args, kwargs=None):
     with gm.graph.inserting_after(after):
         node = (gm.graph.call_method(target, args, kwargs) if method
                 else gm.graph.call_function(target, args, kwargs))
-    values = [example_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    values = torch.fx.node.map_arg(list(args), example_value)      # nodes in lists too
     fn = getattr(torch.Tensor, target) if method else target
-    mode = next((v.fake_mode for v in values if getattr(v, "fake_mode", None) is not None), None)
+    flat = [v for a in values for v in (a if isinstance(a, (list, tuple)) else [a])]
+    mode = next((v.fake_mode for v in flat if getattr(v, "fake_mode", None) is not None), None)
     with mode if mode is not None else contextlib.nullcontext():
         node.meta["example_value"] = fn(*values, **kwargs)
     return node
