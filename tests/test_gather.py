@@ -252,7 +252,11 @@ def test_constant_picks_with_negative_indices_on_middle_dims(device):
 
 
 def test_a_constant_index_out_of_range_keeps_atens_error(device):
-    """A constant index past its dim: the pick stays ATen's op, and raises ATen's error."""
+    """A constant index past its dim: the pick stays ATen's op, and raises ATen's error. On the
+    CPU: CUDA's eager reports it by a device-side assert, asynchronously, which ends the
+    process's CUDA context (every later test of the worker fails)."""
+    if device != "cpu":
+        pytest.skip("CUDA's index error is a device-side assert that ends the CUDA context")
     x = torch.randn(3, 7, device=device)
 
     def f(x):
