@@ -385,12 +385,15 @@ class Lowering(PointwiseLowering):
         """A cumsum along the row, in a persistent kernel: ``tl.cumsum`` over the row's block
         (fp32 for float results, each prefix rounded once to their dtype, as ATen's CPU scan
         and Inductor's; ATen's CUDA scan adds bf16/fp16 partials in their own precision, less
-        exactly; int64 for integer ones), its columns past the row zero. Read at its own position
-        only: a view, a gather or a cat's range reading it elsewhere is refused."""
-        if self.kind != "row" or tuple(index) != tuple(self.full) or preds:
+        exactly; int64 for integer ones), its columns past the row zero. Read at its own
+        position, or backwards along the row (a flip: then a reverse scan), only: a view, a
+        gather or a cat's range reading it elsewhere is refused."""
+        n = self.shape[-1]
+        backwards = self.full[:-1] + (n - 1 - COL,)     # the row read from its end (a flip)
+        reverse = self.kind == "row" and tuple(index) == backwards and not preds
+        if not reverse and (self.kind != "row" or tuple(index) != tuple(self.full) or preds):
             raise NotFusable("a cumsum is read at another position than its own (a view, a "
                              "gather, a cat or a pad reads it): its sums run along its rows")
-        n = self.shape[-1]
         if not self.persistent or not n.is_Integer or \
                 1 << max(int(n) - 1, 0).bit_length() > SCAN_BLOCK:
             raise NotFusable(f"a cumsum over rows of {n}: only static rows of at most "
@@ -401,7 +404,11 @@ class Lowering(PointwiseLowering):
         acc = torch.float32 if out.dtype.is_floating_point else torch.int64
         src = self.value(ref_id(op.args[0]), index, preds)
         x = ops.cast(src.name, src.dtype, acc, guard=False)
-        total = self._assign(f"tl.cumsum(tl.where(mask, {x}, 0), axis=1)", acc, True, op.target)
+        # read backwards (``flip(cumsum(flip(g)))``, a cumsum's gradient), element c is the sum
+        # of the source read backwards from c to the row's end: a reverse scan, whose loads and
+        # stores run forwards (the flip of g read backwards is g)
+        total = self._assign(f"tl.cumsum(tl.where(mask, {x}, 0), axis=1"
+                             + (", reverse=True)" if reverse else ")"), acc, True, op.target)
         return self._assign(ops.cast(total.name, acc, out.dtype, guard=False), out.dtype, True)
 
     def _as_strided(self, args, index, preds):

@@ -112,11 +112,16 @@ def layout_chain(ir: KernelIR, vid: int, shape: tuple):
     """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
     per-element value ``root`` laid out again by those ops (root first: views, permutes, a
     clone, a padding of 0, a roll, a flip), each element once; else None. A roll or a flip
-    keeps the shape, so the walk goes on through those of the reduction's shape too (a
-    cumsum's gradient: the flipped cumsum of the flipped gradient)."""
+    keeps the shape, so the walk goes on through those of the reduction's shape too, but for a
+    flip of the row itself, which is read backwards where it is stored (a cumsum's gradient,
+    the flipped cumsum of the flipped gradient, is then a reverse scan: ``Lowering._scan``)."""
     ops, n_in = [], len(ir.inputs)
-    while ir.values[vid].shape != shape or (vid >= n_in
-                                            and ir.ops[vid - n_in].target in (ROLL, FLIP)):
+
+    def moves_within(v):
+        op = ir.ops[v - n_in]
+        return op.target == ROLL or op.target == FLIP and all(
+            d % len(shape) != len(shape) - 1 for d in op.args[1])
+    while ir.values[vid].shape != shape or (vid >= n_in and moves_within(vid)):
         if vid < n_in:
             return None
         op = ir.ops[vid - n_in]

@@ -147,6 +147,9 @@ def test_a_cumsum_gradient_is_one_kernel(dtype, device):
     assert_close(got, x.grad, dtype=dtype, atol=4 * atol, rtol=4 * rtol, name="grad")
     assert leftover_aten(reports) == []
     assert kernel_count(reports, "forward") == 1 and kernel_count(reports, "backward") == 1
+    # the flips cancel: a reverse scan of the gradient read forwards, not reads backwards
+    src = open(next(r for r in reports if r.kind == "backward").kernels[0]["path"]).read()
+    assert "reverse=True)" in src and "44 - cols" not in src
 
 
 @pytest.mark.parametrize("dims", [(-1,), (0,), (0, 1), (1, 2)], ids=str)
@@ -156,6 +159,30 @@ def test_flip_is_index_arithmetic(dims, device):
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert torch.equal(out, f(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_flipped_cumsum_is_a_reverse_scan(dtype, device):
+    """Sums from each element to the row's end, written as flips (as autograd writes a
+    cumsum's gradient) and with a producer and reader around: one kernel, a reverse scan."""
+    x = randn((4, 3, 29), dtype, device)
+    f = lambda a: (torch.cumsum((a * 2).flip(-1), -1).flip(-1) + 1).relu()    # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert "reverse=True)" in open(reports[0].kernels[0]["path"]).read()
+    atol, rtol = _scan_tol(dtype, 29)
+    assert_close(out, f(x), dtype=dtype, atol=atol, rtol=rtol)
+
+
+def test_a_cumsum_flipped_along_another_dim_is_stored_flipped(device):
+    """A cumsum flipped over the rows as the output: the scan forwards, stored at the flipped
+    index (row_outputs.layout_chain). (An op reading the flip would read the scan at another
+    row: its own kernel.)"""
+    x = randn((5, 23), torch.float32, device)
+    f = lambda a: torch.cumsum(a * 3, -1).flip(0)      # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(x), atol=1e-5 * 23, rtol=1e-5)
 
 
 def test_a_scan_read_at_another_position_is_its_own_kernel(device):
