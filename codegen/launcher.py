@@ -15,6 +15,7 @@ from .indexing import print_expr
 from .kernel_ir import KernelIR, ref_id
 from .lowered import GATHERS, VIEWS, flat_args
 from .ops import CASTS, LOGICAL, POINTWISE
+from .row_outputs import pad_slabs
 
 # ops that read each element of their operands at the index they write: a kernel that reads an
 # input only through these, at the output's shape and strides, reads each element of it before
@@ -56,11 +57,31 @@ def inplace_outputs(ir: KernelIR, shape) -> dict:
     strides, or only reshapes to the output's shape do, the input and the output both
     contiguous (the same linear offsets: a GEMM's [B*H*W, C] output read as [B, H, W, C])."""
     readers = {}        # value id -> the targets of the ops that read it
-    for op in ir.ops:
+    users = {}          # value id -> the ids of the values of the ops that read it
+    n_in = len(ir.inputs)
+    for k, op in enumerate(ir.ops):
         for a in flat_args(op.args + tuple(v for _, v in op.kwargs)):
             if ref_id(a) is not None:
                 readers.setdefault(ref_id(a), set()).add(op.target)
-    n_in = len(ir.inputs)
+                users.setdefault(ref_id(a), set()).add(n_in + k)
+
+    def in_place_reads(j, shape) -> bool:
+        """Whether every value computed from value j, however far down, is computed by
+        elementwise ops at ``shape``: then each element of j is read where it is written.
+        A value of j read elsewhere (a select, a slice, a flip, an expand of it: a sum over a
+        small dim unrolled into slices, ``y = 2 * x; y + y.flip(0)``) would read elements
+        another program has already overwritten."""
+        stack, seen = list(users.get(j, ())), set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if ir.ops[v - n_in].target not in ELEMENTWISE or \
+                    tuple(ir.values[v].shape) != tuple(shape):
+                return False
+            stack.extend(users.get(v, ()))
+        return True
     views_of = {}       # input -> the value ids of the reshapes that read it
     for k, op in enumerate(ir.ops):
         if op.target in VIEWS and ref_id(op.args[0]) is not None and ref_id(op.args[0]) < n_in:
@@ -74,11 +95,13 @@ def inplace_outputs(ir: KernelIR, shape) -> dict:
             if j in taken or not _may_hold(ir, j, out) or not readers.get(j):
                 continue
             same_layout = (readers[j] <= ELEMENTWISE and tuple(v.shape) == tuple(out.shape)
-                           and tuple(v.stride) == tuple(out.stride))
+                           and tuple(v.stride) == tuple(out.stride)
+                           and in_place_reads(j, out.shape))
             reshaped = (readers[j] <= VIEWS and _contiguous(v.shape, v.stride)
                         and _contiguous(out.shape, out.stride)
                         and all(tuple(ir.values[w].shape) == tuple(out.shape)
                                 and readers.get(w) and readers[w] <= ELEMENTWISE
+                                and in_place_reads(w, out.shape)
                                 for w in views_of.get(j, [])))
             if same_layout or reshaped:
                 found[p] = (j, not same_layout)
@@ -201,13 +224,20 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     # dead input (``r{p}``, inplace_outputs) is that input, with no offset: as aligned
     if kind == "pointwise":
         reuse = inplace_outputs(ir, shape)
-    reuse = reuse or {}
+    reuse = dict(reuse or {})
     # a row kernel writes over an input only where the persistent kernel runs (each row read
     # once): not where row_settings picks the looped one, for a row longer than its block
     persistent_only = ""
     if kind == "row" and ("looped" in kernels or "resident" in kernels):
         block = 1 << (max_persistent_block.bit_length() - 1)     # row_settings' test
         persistent_only = f" and {py_expr(shape[-1])} <= {block}"
+    # a row kernel's padded outputs: it stores what lies inside the pad, these lines zero the
+    # margins (row_outputs.pad_slabs)
+    zeroed = []
+    for p, o in enumerate(ir.outputs):
+        for d, start, length in (pad_slabs(ir, o, shape) if kind == "row" else []):
+            zeroed.append(f"    out{p}.narrow({d}, {py_expr(start)}, {py_expr(length)}).zero_()")
+            reuse.pop(p, None)
     if reuse:
         lines[0] = lines[0][:-2] + "".join(f", r{p}=None" for p in reuse) + "):"
     outs = []
@@ -227,6 +257,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     lines.append("    dev = current_device()")
     if outs:
         lines += ["    if FAST_ALLOC and DEVICE.index == dev:", *fast, "    else:", *slow]
+    lines += zeroed
     numels = [sympy.Mul(*sh) for sh in shape] if kind == "multipart" else [sympy.Mul(*shape)]
     extents = numels + [_max_offset(v.shape, v.stride) + 1 for v in ir.inputs
                         if not v.host_scalar]

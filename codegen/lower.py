@@ -154,9 +154,15 @@ class Lowering(PointwiseLowering):
                 var = self.value(vid, index, frozenset())
                 self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
             elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:
-                root, ops = chain
+                root, chain_ops = chain
                 var = self.value(root, full, frozenset())
-                index = push_index(full, self.ir, root, ops, self.hints)
+                for op, rid in chain_ops:       # a float cast on the way: on the register
+                    if op.target in ops.CASTS:
+                        dst = self.ir.values[rid].dtype
+                        var = self._assign(ops.cast(var.name, var.dtype, dst, guard=(
+                            var.name in self.products and rid in self.summed)), dst,
+                            var.row_level, op.target)
+                index = push_index(full, self.ir, root, chain_ops, self.hints)
                 self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
             elif row and val.shape != self.shape and (
                     chain := pulled(self.ir, vid, self.shape)) is not None:

@@ -21,6 +21,7 @@ import sympy
 from .indexing import INDEX_OPS, flip_index, roll_index, view_index
 from .kernel_ir import KernelIR, ref_id
 from .lowered import GATHERS, REDUCTIONS, SCANS, VIEWS, flat_args
+from .ops import CASTS
 
 
 # ops that only lay out their one input again: an output reached from a per-element value of
@@ -111,7 +112,11 @@ def pulled(ir: KernelIR, vid: int, shape: tuple):
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):
     """(root, [(op, result id), ...]) if value ``vid`` of a row kernel over ``shape`` is a
     per-element value ``root`` laid out again by those ops (root first: views, permutes, a
-    clone, a padding of 0, a roll, a flip), each element once; else None. A roll or a flip
+    clone, a roll, a flip, and last a padding with zeros), each element once; else None. A
+    padding is the last op only: the kernel stores the values inside it, the launcher zeroes
+    the slabs around (``pad_slabs``): a slice's gradient that a GEMM reads (the logits'
+    gradient of a causal LM's loss over ``logits[:, :-1]``, padded back by one position) is
+    written once, where a pad kernel of its own copied all of it. A roll or a flip
     keeps the shape, so the walk goes on through those of the reduction's shape too, but for a
     flip of the row itself, which is read backwards where it is stored (a cumsum's gradient,
     the flipped cumsum of the flipped gradient, is then a reverse scan: ``Lowering._scan``)."""
@@ -126,9 +131,10 @@ def layout_chain(ir: KernelIR, vid: int, shape: tuple):
             return None
         op = ir.ops[vid - n_in]
         src = ref_id(op.args[0]) if op.args else None
-        if op.target not in _LAYOUT or src is None:
+        if src is None or op.target not in _LAYOUT and not _float_cast(ir, op, vid, src):
             return None
-        if op.target == "aten.constant_pad_nd.default" and any(p != 0 for p in op.args[1]):
+        if op.target == "aten.constant_pad_nd.default" and any(p != 0 for p in op.args[1]) \
+                and (ops or not _zero_pad(op)):
             return None
         if op.target == "aten.clone.default" and str(dict(op.kwargs).get("memory_format")) not in (
                 "None", "torch.contiguous_format", "torch.preserve_format",
@@ -138,6 +144,46 @@ def layout_chain(ir: KernelIR, vid: int, shape: tuple):
         ops.append((op, vid))
         vid = src
     return (vid, ops[::-1]) if ops else None
+
+
+def _float_cast(ir: KernelIR, op, vid: int, src: int) -> bool:
+    """Whether ``op`` (computing ``vid`` from ``src``) converts one float dtype to another,
+    element for element, in the same shape: the chain's store rounds the value there
+    (``Lowering``: ``ops.cast`` on the register)."""
+    a, b = ir.values[src], ir.values[vid]
+    return (op.target in CASTS and a.shape == b.shape and a.dtype.is_floating_point
+            and b.dtype.is_floating_point
+            and set(dict(op.kwargs)) <= {"dtype", "layout", "device", "memory_format"}
+            and str(dict(op.kwargs).get("memory_format")) in ("None", "torch.preserve_format"))
+
+
+def _zero_pad(op) -> bool:
+    """Whether a constant_pad_nd op pads with zeros on one side of one dim (one slab for the
+    launcher to zero: one small fill launch; a pad kernel of its own is one launch too, so a
+    pad of several margins is left to it) and crops nothing."""
+    value = op.args[2] if len(op.args) > 2 else dict(op.kwargs).get("value", 0)
+    pads = op.args[1]
+    return value == 0 and all(isinstance(p, int) and p >= 0 for p in pads) \
+        and sum(1 for p in pads if p) == 1
+
+
+def pad_slabs(ir: KernelIR, vid: int, shape: tuple) -> list:
+    """(dim, start, length) of each slab a row kernel over ``shape`` leaves for its launcher to
+    zero in output ``vid``: the pad's own margins, where ``layout_chain`` ends in a padding."""
+    chain = layout_chain(ir, vid, shape)
+    if chain is None or chain[1][-1][0].target != "aten.constant_pad_nd.default":
+        return []
+    op, out = chain[1][-1]
+    dims, pads = ir.values[out].shape, list(op.args[1])
+    slabs = []
+    for k in range(len(pads) // 2):
+        d = len(dims) - 1 - k
+        lo, hi = pads[2 * k], pads[2 * k + 1]
+        if lo:
+            slabs.append((d, sympy.Integer(0), sympy.Integer(lo)))
+        if hi:
+            slabs.append((d, dims[d] - hi, sympy.Integer(hi)))
+    return slabs
 
 
 def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) -> tuple:
@@ -161,5 +207,9 @@ def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) ->
             index = roll_index(index, op.args, shape, forward=True)
         elif t == FLIP:
             index = flip_index(index, op.args, shape)
+        elif t == "aten.constant_pad_nd.default":      # inside the margins: shifted by the first
+            pads = list(op.args[1])
+            index = tuple(i + (pads[2 * (len(out) - 1 - d)] if 2 * (len(out) - 1 - d) < len(pads)
+                               else 0) for d, i in enumerate(index))
         shape = out
     return index

@@ -292,3 +292,29 @@ def test_rows_read_elsewhere_or_streamed_are_not_written(dtype, device):
         assert_outputs_close(out, fn(*args))
         assert kernel_count(reports) == 1, fn.__name__
         assert _inplace(reports) == 0, fn.__name__
+
+
+@pytest.mark.parametrize("moved", ["roll", "flip", "select-sum", "transpose"])
+def test_a_value_of_the_input_read_elsewhere_keeps_it_apart(moved, device):
+    """The GEMM's output dies with the kernel, and the kernel reads a value computed from it
+    at other positions than the one it writes (a roll, a flip, slices of a sum over a small
+    dim unrolled, a transpose): writing over it would let one program read what another has
+    already overwritten (before: wrong by hundreds, ``y + y.roll(32, 0)``). The output gets
+    its own memory."""
+    a, b = torch.randn(120, 16, device=device), torch.randn(16, 56, device=device)
+
+    def f(a, b):
+        t = a @ b
+        y = t * 2
+        if moved == "roll":
+            return y + y.roll(32, 0)
+        if moved == "flip":
+            return y + y.flip(0)
+        if moved == "select-sum":       # passes/middle_dims: 3 slices added, broadcast back
+            z = (t.view(280, 3, 8)) * 2     # groups of 24 across the programs' blocks
+            return z - z.sum(1, keepdim=True)
+        return y[:56] + y[:56].t()
+    out, reports = compile_and_run(f, (a, b))
+    assert_outputs_close(out, f(a, b))
+    assert kernel_count(reports) == 1
+    assert _inplace(reports) == 0

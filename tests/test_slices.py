@@ -273,3 +273,56 @@ def test_a_pads_backward_is_in_the_kernel(dtype, device):
     assert leftover_aten(reports) == []
     assert kernel_count(reports, "backward") == 1, [(r.kind, r.num_kernels) for r in reports]
     assert_close(got, x.grad, dtype=dtype, name="x grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_causal_lm_loss_writes_the_padded_logits_gradient_once(dtype, device):
+    """Cross entropy over ``logits[:, :-1]`` (next-token prediction, as examples/llama.py's
+    CausalLMLoss): the logits' gradient is the sliced gradient padded back by one position,
+    which a GEMM reads. The softmax backward's row kernel stores it inside the pad and its
+    launcher zeroes the last position; before, a pad kernel copied all of it (at 4 x 1024
+    tokens and 32000 classes, 262 MB read and written again)."""
+    vocab = 37
+    h = randn((2, 9, 16), dtype, device).requires_grad_()
+    w = randn((16, vocab), dtype, device).requires_grad_()
+    labels = torch.randint(0, vocab, (2, 9), device=device)
+
+    def f(h, w, labels):
+        logits = (h @ w)[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
+                                                 labels[:, 1:].reshape(-1))
+    loss, reports = compile_and_run(f, (h, w, labels))
+    loss.backward()
+    got = (h.grad, w.grad)
+    h.grad = w.grad = None
+    want = f(h, w, labels)
+    want.backward()
+    assert kernel_count(reports, "backward") == 1, [(r.kind, r.num_kernels) for r in reports]
+    assert leftover_aten(reports, "backward") == ["aten.mm.default"] * 2
+    src = open(next(r for r in reports if r.kind == "backward").kernels[0]["path"]).read()
+    assert ".narrow(1, 8, 1).zero_()" in src
+    assert_close(loss, want, dtype=torch.float32, atol=1e-5, rtol=1e-5)
+    assert_close(got[0], h.grad, dtype=dtype, name="h grad")
+    assert_close(got[1], w.grad, dtype=dtype, name="w grad")
+    assert (got[0][:, -1] == 0).all()          # the padded position: no gradient
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pads, kernels", [((0, 0, 0, 1), 1), ((2, 0), 1), ((0, 0, 1, 0), 1),
+                                           ((0, 0, 0, 0, 0, 2), 1), ((2, 3), 2),
+                                           ((1, 0, 2, 1), 2)], ids=str)
+def test_a_row_kernels_output_padded_with_zeros_is_stored_inside_the_pad(pads, kernels, dtype,
+                                                                         device):
+    """``F.pad(softmax(x) in another dtype, pads)`` as an output: padded on one side of one dim,
+    one row kernel, the margin zeroed by its launcher (one fill), not a pad kernel reading the
+    softmax back; padded on several sides, a pad kernel (one launch where the fills would be
+    several)."""
+    x = randn((5, 3, 19), dtype, device)
+    out_dtype = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    f = lambda a: torch.nn.functional.pad(torch.softmax(a.float() * 2, -1).to(out_dtype),  # noqa: E731
+                                          pads)
+    out, reports = compile_and_run(f, (x,))
+    want = f(x)
+    assert kernel_count(reports) == kernels and leftover_aten(reports) == []
+    assert_close(out, want, dtype=out_dtype)
+    assert out.stride() == want.stride()
