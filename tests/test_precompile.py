@@ -43,6 +43,32 @@ def _specialization(call):
                                        for a in args), tuple(sorted(kwargs.items(), key=str)))
 
 
+def test_a_padded_outputs_margin_is_zeroed_on_stand_ins_too(monkeypatch, device):
+    """A row kernel's output padded with zeros: its launcher zeroes the margin
+    (``narrow(...).zero_()``), which the compile-time launch makes on stand-ins (on the GPU
+    it failed: a stand-in had no ``narrow``); the predicted launches are the real ones."""
+    compared = {}
+
+    def checking(ctx, g, launch):
+        predicted = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
+
+        def checked(*args, n=len(g.inputs)):
+            real = precompile.recorded_launches(launch, args[:n], args[n:])
+            compared[g.id] = ([_specialization(c) for c in predicted],
+                              [_specialization(c) for c in real])
+            return launch(*args)
+        ctx.launchers[g.id] = checked
+
+    instead_of_compiles(monkeypatch, at_add=checking)
+    x = torch.randn(6, 33, device=device)
+    f = lambda a: torch.nn.functional.pad(torch.softmax(a * 2, -1), (0, 0, 0, 1))   # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    assert_close(out, f(x))
+    assert kernel_count(reports) == len(compared) == 1
+    ((predicted, real),) = compared.values()
+    assert predicted == real
+
+
 @pytest.mark.parametrize("rows", ["looped", "resident"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_predicted_launches_are_the_real_ones(dtype, rows, monkeypatch, device):
