@@ -4,6 +4,11 @@ Inductor.
 
     python3 benchmarks/peak_memory.py benchmarks/hf_zoo.py:convnext_tiny_32
     TRITON_INTERPRET=1 python3 benchmarks/peak_memory.py benchmarks/hf_zoo.py:convnext_tiny_32
+    python3 benchmarks/peak_memory.py examples/llama.py:train_4x1024_lm --training
+
+``--training``: the forward and backward graphs, and a step's forward and backward measured
+(the outputs' floating-point elements summed as the loss). On the CPU the forward runs (in
+Triton's interpreter) so that the backward compiles: use a small target there.
 
 The static figure walks the graph in order, as FX's generated code frees a value after its
 last use: a storage (by the fake values' storages; a launcher output written over a dead input,
@@ -75,6 +80,7 @@ def static_peak(gm, label: str) -> None:
 
 
 def main() -> int:
+    training = "--training" in sys.argv[2:]
     path, name = sys.argv[1].split(":")
     spec = importlib.util.spec_from_file_location("target", path)
     module = importlib.util.module_from_spec(spec)
@@ -83,33 +89,43 @@ def main() -> int:
     model, inputs = getattr(module, name)("cuda" if gpu else "cpu", torch.bfloat16)
     compile_graph = backend._compile_aten_graph
 
-    def reporting(gm, kind, config, pending):
+    def reporting(gm, kind, config, *rest):
         static_peak(gm, f"{kind} ATen graph")
-        out = compile_graph(gm, kind, config, pending)
+        out = compile_graph(gm, kind, config, *rest)
         static_peak(out, f"{kind} fusion graph")
-        if not gpu:
+        if not gpu and (not training or kind == "backward"):
             raise SystemExit(0)         # the interpreter would run the whole model
+        return out
+
+    def step(fn):
+        out = fn(*inputs)
+        if training:
+            sum(t.float().sum() for t in _tensors(out) if t.is_floating_point()).backward()
+            model.zero_grad(set_to_none=True)
         return out
 
     def measured(fn):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = fn(*inputs)
+        out = step(fn)
         torch.cuda.synchronize()
         del out
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
     backend._compile_aten_graph = reporting
-    with torch.no_grad():
+    if training:
+        model.train()
+    with torch.set_grad_enabled(training):
         fused = torch.compile(model, backend="fusion")
-        fused(*inputs)
+        step(fused)
         backend._compile_aten_graph = compile_graph
         eager_mb, fusion_mb = measured(model), measured(fused)
         torch._dynamo.reset()
         inductor = torch.compile(model)
-        inductor(*inputs)
-        print(f"{name}, measured over a call's start (MiB): eager {eager_mb:.1f}, "
+        step(inductor)
+        print(f"{name}, measured over a {'step' if training else 'call'}'s start (MiB): "
+              f"eager {eager_mb:.1f}, "
               f"fusion {fusion_mb:.1f}, Inductor {measured(inductor):.1f}")
     return 0
 
