@@ -30,9 +30,9 @@ from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, flip_index, joi
 from .row_outputs import FLIP, ROLL, alongside, layout_chain, pulled, push_index, reshaped
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
+from .launch import _next_pow2
 from .lowered import (COL, REDUCTIONS, SCAN_BLOCK, SCANS, VIEWS, LoweredKernel, Phase, Var,
-                      flat_args,
-                      mean_hidden, partnered)
+                      flat_args, mean_hidden, partnered)
 
 
 def _ge(a, b):
@@ -400,8 +400,7 @@ class Lowering(PointwiseLowering):
         if not reverse and (self.kind != "row" or tuple(index) != tuple(self.full) or preds):
             raise NotFusable("a cumsum is read at another position than its own (a view, a "
                              "gather, a cat or a pad reads it): its sums run along its rows")
-        if not self.persistent or not n.is_Integer or \
-                1 << max(int(n) - 1, 0).bit_length() > SCAN_BLOCK:
+        if not self.persistent or not n.is_Integer or _next_pow2(int(n)) > SCAN_BLOCK:
             raise NotFusable(f"a cumsum over rows of {n}: only static rows of at most "
                              f"{SCAN_BLOCK} elements are scanned in one block")
         out = self.ir.values[vid]

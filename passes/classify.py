@@ -56,9 +56,9 @@ _VIEW = [
     aten.t.default, aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.alias.default,
     aten.as_strided.default, aten.detach.default,
 ]
+SCANS = (aten.cumsum.default,)     # reductions whose results are per element: prefix sums
 _REDUCTION = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-              aten.any.dim,
-              aten.cumsum.default]     # a scan: a row kernel's per-element prefix sums
+              aten.any.dim, *SCANS]
 
 OP_KINDS: dict = {
     **{op: OpKind.POINTWISE for op in _POINTWISE},
@@ -119,7 +119,7 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
             return OpKind.OPAQUE
         elif arg_info.device != info.device and not is_host_scalar(arg_info):
             return OpKind.OPAQUE
-    if node.target is aten.cumsum.default:
+    if node.target in SCANS:
         if not _is_last_dim_scan(node, info):
             return OpKind.OPAQUE
     elif kind is OpKind.REDUCTION and not _is_last_dim_reduction(node, info):

@@ -24,7 +24,7 @@ import logging
 import sympy
 import torch
 
-from .classify import OpKind
+from .classify import SCANS, OpKind
 from .constant_fold import is_pure
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         info = node.meta.get("fc_tensor")
         if info is None or not _static_empty(info) or not is_pure(node.target):
             continue
-        if node.meta["fc_kind"] is OpKind.REDUCTION and node.target is not aten.cumsum.default:
+        if node.meta["fc_kind"] is OpKind.REDUCTION and node.target not in SCANS:
             extent = node.args[0].meta["fc_tensor"].shape[-1]      # last-dim reductions only
             if not (isinstance(extent, sympy.Integer) and extent > 0):
                 continue

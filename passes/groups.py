@@ -13,7 +13,7 @@ import torch
 from ..codegen import launch
 from ..codegen.kernel_ir import CONSTANT_VALUE_ARG
 from ..codegen.lowered import partner_of
-from .classify import GATHERS, OpKind
+from .classify import GATHERS, SCANS, OpKind
 from .cost_model import NodeSizes, kernel_cost, tensor_bytes
 from .shapes import hint
 
@@ -220,7 +220,7 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     src = reductions[0].args[0].meta["fc_tensor"]
     n = hint(src.shape[-1], ctx.size_hints)
     if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block or any(
-            m.target is torch.ops.aten.cumsum.default for m in reductions):
+            m.target in SCANS for m in reductions):
         return 1, (), "rows"        # a scan's row is one block, whatever its length
     if src.shape[-1].is_Integer and _resident(group, src, n, ctx):
         return 1, (), "rows, held"

@@ -43,10 +43,9 @@ def _specialization(call):
                                        for a in args), tuple(sorted(kwargs.items(), key=str)))
 
 
-def test_a_padded_outputs_margin_is_zeroed_on_stand_ins_too(monkeypatch, device):
-    """A row kernel's output padded with zeros: its launcher zeroes the margin
-    (``narrow(...).zero_()``), which the compile-time launch makes on stand-ins (on the GPU
-    it failed: a stand-in had no ``narrow``); the predicted launches are the real ones."""
+def _comparing_launches(monkeypatch) -> dict:
+    """Group id -> (the launches predicted from stand-ins at compile time, the ones the first
+    call makes), each as Triton specializes it; filled as the compiled graph runs."""
     compared = {}
 
     def checking(ctx, g, launch):
@@ -60,6 +59,14 @@ def test_a_padded_outputs_margin_is_zeroed_on_stand_ins_too(monkeypatch, device)
         ctx.launchers[g.id] = checked
 
     instead_of_compiles(monkeypatch, at_add=checking)
+    return compared
+
+
+def test_a_padded_outputs_margin_is_zeroed_on_stand_ins_too(monkeypatch, device):
+    """A row kernel's output padded with zeros: its launcher zeroes the margin
+    (``narrow(...).zero_()``), which the compile-time launch makes on stand-ins (on the GPU
+    it failed: a stand-in had no ``narrow``); the predicted launches are the real ones."""
+    compared = _comparing_launches(monkeypatch)
     x = torch.randn(6, 33, device=device)
     f = lambda a: torch.nn.functional.pad(torch.softmax(a * 2, -1), (0, 0, 0, 1))   # noqa: E731
     out, reports = compile_and_run(f, (x,))
@@ -77,19 +84,7 @@ def test_predicted_launches_are_the_real_ones(dtype, rows, monkeypatch, device):
     monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", "128")
     if rows == "looped":
         monkeypatch.setenv("FUSION_COMPILER_MAX_RESIDENT_ROW", "0")
-    compared = {}
-
-    def checking(ctx, g, launch):
-        predicted = precompile.recorded_launches(launch, *precompile.stand_ins(g, ctx.size_hints))
-
-        def checked(*args, n=len(g.inputs)):
-            real = precompile.recorded_launches(launch, args[:n], args[n:])
-            compared[g.id] = ([_specialization(c) for c in predicted],
-                              [_specialization(c) for c in real])
-            return launch(*args)
-        ctx.launchers[g.id] = checked
-
-    instead_of_compiles(monkeypatch, at_add=checking)
+    compared = _comparing_launches(monkeypatch)
     args = model_args(dtype, device)
     out, reports = compile_and_run(model, args)
     for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(model(*args)))):
