@@ -85,8 +85,9 @@ def _override(module: dict, kind: str, table: dict) -> None:
     if kind == "row":
         rule = L.row_settings
 
-        def row_settings(rows, n, max_persistent_block, strided=False):
-            return table.get((rows, n)) or rule(rows, n, max_persistent_block, strided)
+        def row_settings(rows, n, max_persistent_block, strided=False, looped_block=None):
+            return table.get((rows, n)) or rule(rows, n, max_persistent_block, strided,
+                                                looped_block)
         module["row_settings"] = row_settings
     else:
         rule = L.pointwise_settings
@@ -189,7 +190,7 @@ def _tune_one(ctx, g, kernel: dict, time_fn) -> int:
     rule = (L.row_settings(*sizes, ctx.config.max_persistent_block, module.get("STRIDED", False))
             if kind == "row"
             else (kwargs["BLOCK"], kwargs["num_warps"]))       # the launcher's own rule
-    if kind == "row" and rule[2]:
+    if kind == "row" and (rule[2] or "_persistent_kernel" not in module):
         return 0                        # looped kernels: settings are not their limit
     table = module.get("_TUNED", {})
     key = _disk_key(kernel["key"], sizes, launch.args[0])

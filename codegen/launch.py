@@ -62,8 +62,11 @@ def few_programs(grid: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = False):
-    """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``.
+def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = False,
+                 looped_block: int | None = None):
+    """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``. A
+    row longer than ``max_persistent_block`` loops in steps of ``looped_block`` (default
+    ``LOOPED_RBLOCK``; less for heavy elements, ``row_limits``).
     ``strided``: the row's elements lie apart in memory and consecutive rows side by side
     (statements.strided_rows), so a program's load of a column reads a contiguous run of XBLOCK
     elements: the rows a program takes are doubled while it holds at most ``STRIDED_ELEMS``
@@ -85,7 +88,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
     6.0 / 5.7 us; 1024 rows (7.8 programs per SM) 9.7 / 10.5 us."""
     rblock = _next_pow2(max(n, 1))
     if rblock > max_persistent_block:
-        return 1, LOOPED_RBLOCK, True, 8
+        return 1, looped_block or LOOPED_RBLOCK, True, 8
     xblock = min(_next_pow2(rows), max(1, ROW_ELEMS // rblock))
     if strided:
         least = STRIDED_PROGRAMS_PER_SM * _sm_count()
@@ -117,6 +120,33 @@ RESIDENT_WARPS = 32
 RESIDENT_VALUES = 20
 
 
+# registers an element of a row kernel's block takes for its loads (statements.element_registers),
+# times the elements a thread holds, most: a persistent program's whole row, a looped program's
+# step. ResNet-50's stem backward at batch 128 (BatchNorm's backward, ReLU's and the max pool's,
+# 19 registers an element: the pool's four windows' index, code and gradient) spilled 764
+# registers held whole (rows of 12544 on 16 warps: 32 elements a thread) and took 12.9 ms on
+# the H200, 134 looped in steps of 2048 on 8 warps (3.7 ms, two passes); ATen's pool and the
+# row kernel without it 1.1 ms + 0.27 ms. Other kernels of the zoo take at most 15 an element.
+PERSISTENT_ELEMENT_REGISTERS = 512
+LOOPED_ELEMENT_REGISTERS = 128
+
+
+def row_limits(n, registers: int, max_persistent_block: int):
+    """(max_persistent_block, looped_block) for a row kernel over rows of ``n`` (static:
+    an int) whose elements' loads take ``registers`` registers each: a row whose persistent
+    program would hold more than ``PERSISTENT_ELEMENT_REGISTERS`` a thread loops instead, in
+    steps of at most ``LOOPED_ELEMENT_REGISTERS`` a thread (at least 256 columns)."""
+    step = LOOPED_RBLOCK
+    while step > 256 and step // (32 * 8) * registers > LOOPED_ELEMENT_REGISTERS:
+        step //= 2
+    if isinstance(n, int):
+        block = _next_pow2(n)
+        if block <= max_persistent_block \
+                and max(1, block // (32 * _warps(block))) * registers > PERSISTENT_ELEMENT_REGISTERS:
+            max_persistent_block = block // 2
+    return max_persistent_block, step
+
+
 def resident(n: int, max_persistent_block: int, max_resident_row: int) -> bool:
     """Whether a static row of ``n`` elements is held by the resident kernel: longer than a
     persistent program's block, at most ``max_resident_row`` with the up to 7 columns read
@@ -146,10 +176,10 @@ SPLIT_WARPS = 8
 
 
 @functools.lru_cache(maxsize=1024)
-def split_settings(rows: int, n: int):
+def split_settings(rows: int, n: int, step: int | None = None):
     """(S, CHUNK, SBLOCK, RBLOCK, num_warps) for a looped row kernel over ``rows`` rows of
     ``n``, or None: each row is split into S chunks of CHUNK columns (a multiple of the loop's
-    step RBLOCK), one program each, where one program a row leaves SMs idle (a VAE's GroupNorm:
+    step RBLOCK: ``step``, default ``SPLIT_RBLOCK``), one program each, where one program a row leaves SMs idle (a VAE's GroupNorm:
     32 rows of 262144 elements on 132 SMs); SBLOCK is S as a power of two. None where a row
     makes fewer than two chunks, or there are as many rows as SMs: one program a row (the
     looped kernel). The stages cost a launch each: a UNet's GroupNorm at batch 8 (256 rows of
@@ -162,9 +192,10 @@ def split_settings(rows: int, n: int):
     if s < 2:
         return None
     chunk = -(-n // s)
-    chunk = -(-chunk // SPLIT_RBLOCK) * SPLIT_RBLOCK
+    step = step or SPLIT_RBLOCK
+    chunk = -(-chunk // step) * step
     s = -(-n // chunk)
-    return s, chunk, _next_pow2(s), SPLIT_RBLOCK, SPLIT_WARPS
+    return s, chunk, _next_pow2(s), step, SPLIT_WARPS
 
 
 @functools.lru_cache(maxsize=1024)

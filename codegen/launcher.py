@@ -189,7 +189,7 @@ def _max_offset(shape, stride):
 
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
                     hoists: bool = False, strided: bool = False, partials: int = 0,
-                    reuse=None) -> str:
+                    reuse=None, looped_block: int = rules.LOOPED_RBLOCK) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
@@ -197,7 +197,8 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     lie apart and consecutive rows side by side (``row_settings``; the module's ``STRIDED``);
     ``partials``: the looped kernel's reductions, where its split stages ``split0``... exist
     (few long rows: ``split_settings``); ``reuse``: a row kernel's outputs it may write over
-    dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``)."""
+    dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``);
+    ``looped_block``: the looped kernel's and split stages' step (``launch.row_limits``)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -335,8 +336,9 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             # the split stages' and the resident kernel's settings are their own: no rule asked
             lines.append("        XBLOCK = 1  # a program a row")
         else:
+            step = "" if looped_block == rules.LOOPED_RBLOCK else f", looped_block={looped_block}"
             lines += [f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, "
-                      f"{max_persistent_block}" + (", STRIDED)" if strided else ")"),
+                      f"{max_persistent_block}" + (", STRIDED" if strided else "") + step + ")",
                       "        grid = (R + XBLOCK - 1) // XBLOCK"]
         settings = ["XBLOCK", "RBLOCK", "num_warps"]
         constexprs = ["XBLOCK", "RBLOCK", "index64"]
@@ -363,7 +365,8 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             # reductions in between in ws (row_loops.split_phases)
             pad = " " * ind
             size, stride = f"({partials}, R, S)", "(R * S, S, 1)"
-            lines = [f"{pad}split = split_settings(R, N)",
+            step = "" if looped_block == rules.LOOPED_RBLOCK else f", {looped_block}"
+            lines = [f"{pad}split = split_settings(R, N{step})",
                      f"{pad}if split is not None:",
                      f"{pad}    S, CHUNK, SBLOCK, RBLOCK, num_warps = split",
                      f"{pad}    if FAST_ALLOC and DEVICE.index == dev:",

@@ -134,6 +134,17 @@ class Lowering(PointwiseLowering):
     # ------------------------------------------------------------------ schedule
     def run(self) -> LoweredKernel:
         full = self.full
+        row, per_row = self.kind == "row", (self.shape[:-1], self.shape[:-1] + (1,))
+        early = set()
+        if row and not self.persistent:
+            # a looped kernel stores a per-element output that no reduction feeds in the first
+            # pass, where its value is made: a later pass would read and compute it again
+            for pos, vid in enumerate(self.ir.outputs):
+                shape = self.ir.values[vid].shape
+                if self.depth[vid] == 0 and shape not in per_row \
+                        and not one_a_row(shape, self.shape[:-1]):
+                    self._store_output(pos, vid, row, per_row)
+                    early.add(pos)
         if self.kind == "row":
             for level in range(max(self.levels.values(), default=-1) + 1):
                 for vid, lv in self.levels.items():
@@ -142,53 +153,59 @@ class Lowering(PointwiseLowering):
                 self._next_phase()
                 self.phases[-1].outer.extend(self.pending)
                 self.pending = []
-        row, per_row = self.kind == "row", (self.shape[:-1], self.shape[:-1] + (1,))
         for pos, vid in enumerate(self.ir.outputs):
-            val = self.ir.values[vid]
-            if row and val.shape != self.shape and val.shape in per_row:
-                index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
-                var = self.value(vid, index, frozenset())
-                self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
-            elif row and val.shape != self.shape and one_a_row(val.shape, self.shape[:-1]):
-                index = row_index(full, self.shape[:-1], val.shape)
-                var = self.value(vid, index, frozenset())
-                self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
-            elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:
-                root, chain_ops = chain
-                var = self.value(root, full, frozenset())
-                for op, rid in chain_ops:       # a float cast on the way: on the register
-                    if op.target in ops.CASTS:
-                        dst = self.ir.values[rid].dtype
-                        var = self._assign(ops.cast(var.name, var.dtype, dst, guard=(
-                            var.name in self.products and rid in self.summed)), dst,
-                            var.row_level, op.target)
-                index = push_index(full, self.ir, root, chain_ops, self.hints)
-                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
-            elif row and val.shape != self.shape and (
-                    chain := pulled(self.ir, vid, self.shape)) is not None:
-                index = full
-                for op, rid in reversed(chain):     # back to vid, as the rows read it
-                    index = self._source_index(op, rid, index)
-                var = self.value(vid, index, frozenset())
-                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
-            elif row and val.shape != self.shape and (
-                    chain := alongside(self.ir, vid, self.shape)) is not None:
-                # where a value of its shape is pulled (through views alone, where a reshaped
-                # output is too: the same index)
-                index = full
-                for op, rid in reversed(chain):
-                    index = self._source_index(op, rid, index)
-                var = self.value(vid, index, frozenset())
-                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
-            elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
-                index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
-                var = self.value(vid, index, frozenset())
-                self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
-            else:
-                var = self.value(vid, full, frozenset())
-                self._emit_to(True, ("store", pos, var, self._offset(full, val.stride), True))
+            if pos not in early:
+                self._store_output(pos, vid, row, per_row)
         return LoweredKernel(self.ir, self.kind, self.shape, self.phases, self.stores, self.tail,
                              self.loads, self.iter_syms)
+
+    def _store_output(self, pos, vid, row, per_row):
+        """Emit output ``pos`` (value ``vid``): a per-row value in the tail, a per-element one
+        in the current phase's loop."""
+        full = self.full
+        val = self.ir.values[vid]
+        if row and val.shape != self.shape and val.shape in per_row:
+            index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
+            var = self.value(vid, index, frozenset())
+            self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
+        elif row and val.shape != self.shape and one_a_row(val.shape, self.shape[:-1]):
+            index = row_index(full, self.shape[:-1], val.shape)
+            var = self.value(vid, index, frozenset())
+            self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
+        elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:
+            root, chain_ops = chain
+            var = self.value(root, full, frozenset())
+            for op, rid in chain_ops:       # a float cast on the way: on the register
+                if op.target in ops.CASTS:
+                    dst = self.ir.values[rid].dtype
+                    var = self._assign(ops.cast(var.name, var.dtype, dst, guard=(
+                        var.name in self.products and rid in self.summed)), dst,
+                        var.row_level, op.target)
+            index = push_index(full, self.ir, root, chain_ops, self.hints)
+            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+        elif row and val.shape != self.shape and (
+                chain := pulled(self.ir, vid, self.shape)) is not None:
+            index = full
+            for op, rid in reversed(chain):     # back to vid, as the rows read it
+                index = self._source_index(op, rid, index)
+            var = self.value(vid, index, frozenset())
+            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+        elif row and val.shape != self.shape and (
+                chain := alongside(self.ir, vid, self.shape)) is not None:
+            # where a value of its shape is pulled (through views alone, where a reshaped
+            # output is too: the same index)
+            index = full
+            for op, rid in reversed(chain):
+                index = self._source_index(op, rid, index)
+            var = self.value(vid, index, frozenset())
+            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+        elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
+            index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
+            var = self.value(vid, index, frozenset())
+            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+        else:
+            var = self.value(vid, full, frozenset())
+            self._emit_to(True, ("store", pos, var, self._offset(full, val.stride), True))
 
     def _next_phase(self):
         self.phases.append(Phase())
@@ -207,6 +224,7 @@ class Lowering(PointwiseLowering):
                 levels[vid] = levels[self.partnered[vid][1]] if vid in self.partnered else d
                 d = levels[vid] + 1
             depth[vid] = d
+        self.depth = depth      # reductions on the way to each value (0: none)
         return levels
 
     def _reduce(self, vid, full):

@@ -19,7 +19,7 @@ from .lowered import GATHERS, SCANS
 from .multipart import split
 from .resident import NotHeld
 from .row_loops import partial_slots
-from .statements import late_loads, strided_rows
+from .statements import element_registers, late_loads, strided_rows
 
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
@@ -37,6 +37,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     strided = False         # its rows' elements lie apart, consecutive rows side by side
     partials = 0            # a looped kernel's reductions: the split stages' partials a row
     reuse = None            # a persistent kernel's outputs over dead inputs (launcher.py)
+    looped_block = rules.LOOPED_RBLOCK      # a looped kernel's step (launch.row_limits)
     if kind == "pointwise":
         kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
@@ -45,19 +46,28 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             # a scan holds its row in one block (the lowering refused longer or symbolic rows)
             max_persistent_block = max(max_persistent_block, _next_pow2(int(n)))
         fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
-        if not n.is_Integer or fits:
-            lk = Lowering(ir, hints, True).run()
-            late = late_loads(lk)
-            strided = strided_rows(lk)
-            kernels.append(("persistent", render_kernel(lk, "_persistent_kernel", late=late,
+        held = Lowering(ir, hints, True).run() if not n.is_Integer or fits else None
+        looped = None if fits else Lowering(ir, hints, False).run()
+        if not any(op.target in SCANS for op in ir.ops):
+            # elements too heavy for a thread to hold a whole row of them: the looped kernel,
+            # in steps that fit (launch.row_limits)
+            max_persistent_block, looped_block = rules.row_limits(
+                int(n) if n.is_Integer else None, element_registers(held or looped),
+                max_persistent_block)
+            if fits and _next_pow2(int(n)) > max_persistent_block:
+                fits, held, looped = False, None, Lowering(ir, hints, False).run()
+        if held is not None:
+            late = late_loads(held)
+            strided = strided_rows(held)
+            kernels.append(("persistent", render_kernel(held, "_persistent_kernel", late=late,
                                                          strided=strided)))
             # each row read once, before it is written (the launcher hands over no input
             # where it picks the looped kernel beside it, for a long row)
-            reuse = row_inplace_outputs(lk)
-        if not fits:
-            lk = Lowering(ir, hints, False).run()
+            reuse = row_inplace_outputs(held)
+        if looped is not None:
             resident = None
-            if n.is_Integer and rules.resident(int(n), max_persistent_block, max_resident_row):
+            if n.is_Integer and looped_block == rules.LOOPED_RBLOCK \
+                    and rules.resident(int(n), max_persistent_block, max_resident_row):
                 # the persistent lowering: the row's values live in registers, each computed once
                 try:
                     resident = render_kernel(Lowering(ir, hints, True).run(), "_resident_kernel")
@@ -66,16 +76,16 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             if resident is not None:
                 kernels.append(("resident", resident))
             else:
-                kernels.append(("looped", render_kernel(lk, "_looped_kernel")))
+                kernels.append(("looped", render_kernel(looped, "_looped_kernel")))
             # the same rows split across programs, one kernel per phase (few long rows)
-            kernels += [(f"split{s}", render_kernel(lk, f"_split{s}_kernel", stage=s))
-                        for s in range(len(lk.phases))]
-            partials = partial_slots(lk.phases)
+            kernels += [(f"split{s}", render_kernel(looped, f"_split{s}_kernel", stage=s))
+                        for s in range(len(looped.phases))]
+            partials = partial_slots(looped.phases)
     header = _header(ir, title, kind)
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, bool(late), strided,
-                                partials, reuse)
+                                partials, reuse, looped_block)
     if strided:
         launcher = "STRIDED = True\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"

@@ -108,3 +108,10 @@ def select_preds(lk):
                 for pred_set, _ in s[2]:
                     preds |= set(pred_set)
     return preds
+
+
+def element_registers(lk) -> int:
+    """32-bit registers the per-element loads of a row kernel take for each element of its
+    block: one a load, two an 8-byte one (an int64 index)."""
+    return sum(2 if lk.ir.inputs[i].dtype.itemsize == 8 else 1
+               for var, i, _, _ in lk.loads if var.row_level)
