@@ -211,7 +211,9 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
     the variance, the output). A reduction with a partner (``codegen.lowered.partner_of``) is
     taken in its partner's pass: a softmax's sum of exps in its max's (the online softmax), a
     norm's variance in its mean's (Welford's update). A softmax or a LayerNorm reads its rows
-    twice, a cross-entropy (per-row outputs alone) once. A static row short enough for the
+    twice, a cross-entropy (per-row outputs alone) once, and so does a row whose per-element
+    outputs no reduction feeds (a BatchNorm's backward with the gradient it passes on, where
+    the sums are the weight's). A static row short enough for the
     resident kernel is read once, where its rows are too many to split across programs
     (``launch.split_settings``)."""
     reductions = [m for m in group.members if view.kind[m] is OpKind.REDUCTION]
@@ -233,8 +235,10 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
         else:
             level[m] = max(up, default=0) + (1 if m in reductions else 0)
     row_numel = hint(src.numel, ctx.size_hints)
+    # a per-element output that no reduction feeds is stored in the first pass
+    # (codegen/lower.py): only one a reduction feeds takes a pass of its own
     per_element = any(hint(o.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel
-                      for o in group.outputs)
+                      and level.get(o, 0) > 0 for o in group.outputs)
     passes = max(level[r] for r in reductions) + (1 if per_element else 0)
     row_inputs = {i for i in group.inputs if hint(i.meta["fc_tensor"].numel, ctx.size_hints) >= row_numel}
     return passes, row_inputs, f"rows, {passes} pass{'es' * (passes != 1)}"
