@@ -58,11 +58,26 @@ def strided_rows(lk) -> bool:
     for _, _, offset, _ in lk.loads:
         offset = sympy.expand(offset)
         col, row = offset.coeff(COL), offset.coeff(inner)
+        if row != 1 or (offset - row * inner).has(inner):
+            continue
         # a symbolic stride is a product of sizes, each at least 2 (0 and 1 are specialized)
         apart = col > 1 if col.is_number else not col.has(COL, inner)
-        if apart and row == 1 and not (offset - col * COL - row * inner).has(COL, inner):
+        if apart and not (offset - col * COL - row * inner).has(COL, inner):
+            return True
+        if col == 0 and offset.has(COL) and _columns_apart(offset, lk.iter_syms):
             return True
     return False
+
+
+def _columns_apart(offset, syms) -> bool:
+    """Whether a static row's column index, split into digits (``x // 28``, ``x % 28``: the H x W
+    positions of a channels-last tensor's chunk), puts every column at least 2 elements from
+    the one before: the first 64 columns' steps, the other iteration symbols at 0."""
+    at = offset.subs({s: 0 for s in syms if s != COL})
+    if at.free_symbols - {COL}:
+        return False
+    places = [at.subs(COL, c) for c in range(65)]
+    return all(abs(b - a) >= 2 for a, b in zip(places, places[1:]))
 
 
 _STORE_FN = {torch.bfloat16: ("fl.round_bf16(", "fl.store_bf16("),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fusion_compiler
 from fusion_compiler import backend
 from fusion_compiler.passes import channels_last
-from helpers import TOL, assert_close, kernel_count, leftover_aten
+from helpers import TOL, assert_close, compile_and_run, kernel_count, leftover_aten
 from patterns import randn
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -241,3 +241,23 @@ def test_dynamic_shapes_keep_the_layout(device, conv_layouts):
     assert reports[0].summary["layout"].startswith("as traced: dynamic shapes")
     assert conv_layouts["inference"] == ["contiguous"]
     assert_close(out, expected, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_statistics_of_channels_last_read_strided_rows(dtype, device):
+    """A BatchNorm's batch statistics over a channels-last tensor: column sums whose first
+    kernel's rows are a channel's chunk of H x W positions (the column index split into digits,
+    ``// 10`` and ``% 10``), C elements apart, consecutive channels side by side: the launcher
+    asks for strided-row settings. Odd sizes; values as eager's."""
+    x = randn((3, 24, 14, 10), dtype, device).contiguous(memory_format=torch.channels_last)
+    w = (torch.rand(24, device=device) + 0.5).to(dtype)
+    b = randn((24,), dtype, device)
+
+    def f(x, w, b):
+        return F.relu(F.batch_norm(x, None, None, w, b, training=True))
+    out, reports = compile_and_run(f, (x, w, b))
+    assert kernel_count(reports) == 3 and leftover_aten(reports) == []
+    stats = open(reports[0].kernels[0]["path"]).read()
+    assert "STRIDED = True" in stats and "// 10" in stats.split("def launch")[0], stats
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, f(x, w, b), dtype=dtype)
