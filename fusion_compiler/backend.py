@@ -283,8 +283,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     layout = None
     if config.channels_last:
         # the CPU runs what the GPU would where the interpreter runs the kernels (tests)
-        decision = channels_last.run(gm, example_inputs,
-                                     ("cuda", "cpu") if interpreting() else ("cuda",))
+        decision = channels_last.run(gm, ("cuda", "cpu") if interpreting() else ("cuda",))
         layout = decision.note()
         if layout is not None:
             log.info("fusion-compiler: convolution activations %s (passes/channels_last.py)",

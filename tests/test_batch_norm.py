@@ -120,10 +120,12 @@ def test_a_resnet_block_trains(dtype, channels_last, device):
     eager's; the backward the same three a BN, and the sum of x's two gradients (the
     residual's and the first convolution's). Output, running statistics
     and every gradient as close to float64's as eager's (within twice eager's error, or the
-    dtype's tolerance)."""
+    dtype's tolerance). NCHW: the layout pass off (``channels_last``), which would otherwise
+    run the block channels-last."""
     torch.manual_seed(0)
     base = Block(6).double().to(device)
     x64 = _layout(torch.randn(3, 6, 5, 7, dtype=torch.float64, device=device), channels_last)
+    options = {} if channels_last else {"channels_last": False}
 
     def step(fn_of_model, dt):
         model = copy.deepcopy(base).to(dt)
@@ -137,7 +139,7 @@ def test_a_resnet_block_trains(dtype, channels_last, device):
     import fusion_compiler
     torch._dynamo.reset()
     with fusion_compiler.capture_compiles() as reports:
-        got = step(lambda m: torch.compile(m, backend="fusion"), dtype)
+        got = step(lambda m: torch.compile(m, backend="fusion", options=options), dtype)
     eager, exact = step(lambda m: m, dtype), step(lambda m: m, torch.float64)
     assert leftover_aten(reports, "forward") == ["aten.convolution.default"] * 2
     assert leftover_aten(reports, "backward") == ["aten.convolution_backward.default"] * 2

@@ -136,15 +136,18 @@ def test_values_and_indices(geometry, dtype, device):
 
 
 def _saved_while(fn):
-    """The tensors autograd keeps from the forward run by ``fn``."""
+    """The tensors autograd keeps from the forward run by ``fn``: real ones (the layout pass
+    runs the Dynamo graph on fake tensors while compiling, ATen's pool among its ops)."""
+    from torch._subclasses.fake_tensor import FakeTensor
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = fn()
-    return out, saved
+    return out, [t for t in saved if not isinstance(t, FakeTensor)]
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_training_pool_gradients(dtype, device):
+def test_training_pool_gradients(dtype, channels_last, device):
     """conv -> BatchNorm (batch statistics) -> ReLU -> pool -> conv, forward and backward:
     the pool fuses with the normalisation forward and with the BatchNorm's backward, nothing of
     it on ATen; every gradient as close to float64's as eager's (within twice eager's error, or the
@@ -166,8 +169,9 @@ def test_training_pool_gradients(dtype, device):
     exact, _ = step(lambda m: m, torch.float64)
     eager, _ = step(lambda m: m, dtype)
     torch._dynamo.reset()
+    options = {} if channels_last else {"channels_last": False}
     with fusion_compiler.capture_compiles() as reports:
-        ours, saved = step(lambda m: torch.compile(m, backend="fusion"), dtype)
+        ours, saved = step(lambda m: torch.compile(m, backend="fusion", options=options), dtype)
     assert [r.error for r in reports if r.error] == []
     assert leftover_aten(reports, "forward") == ["aten.convolution.default"] * 2
     assert leftover_aten(reports, "backward") == ["aten.convolution_backward.default"] * 2
@@ -176,8 +180,15 @@ def test_training_pool_gradients(dtype, device):
     # (passes/conv_bias.py: the first conv's joins the statistics' kernel; the last one's has
     # no reader in the graph); backward: the BatchNorm's three with the pool's gradient and
     # ReLU's inside
-    forward = 5 if device == "cuda" else 4
-    assert kernel_count(reports, "forward") == forward, [r.num_kernels for r in reports]
+    # channels-last (the layout pass's choice for this graph): also the image's copy in and the
+    # output's copy back to eager's layout, and the statistics as a column sum of chunks (two
+    # kernels). On CUDA the last conv's bias add may join the output's copy or not: not yet
+    # run there (session 50)
+    if channels_last:
+        counts = (6, 7) if device == "cuda" else (6,)
+    else:
+        counts = (5,) if device == "cuda" else (4,)
+    assert kernel_count(reports, "forward") in counts, [r.num_kernels for r in reports]
     assert kernel_count(reports, "backward") == 3, [r.num_kernels for r in reports]
     pooled = (2, 6, 7, 6)
     kept = sorted((str(t.dtype), tuple(t.shape)) for t in saved if t.dim() == 4)

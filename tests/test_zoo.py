@@ -178,9 +178,10 @@ SCANS = {"cumsum", "flip"}
 # softmax over its scores
 IN_PLACE = {"convnext": "gelu", "vit": "gelu", "swin": "gelu", "bloom": "softmax"}
 # norm kernels of a training forward where they differ from inference's: ResNet's six
-# BatchNorms take two kernels more each for the batch's statistics (rows, then their
-# combination over the batch)
-TRAINING_NORMS = {"resnet": 5 + 6 * 2}
+# BatchNorms, channels-last (passes/channels_last.py), with the batch's statistics as column
+# sums of chunks (a chunk's rows, then their combination), or, where a channel's values fit
+# one row at this size, statistics and normalisation in one kernel
+TRAINING_NORMS = {"resnet": 10}
 # buffers a training forward writes from its kernels (passes/input_writes.py): each BN's
 # running mean, running variance and batch count; the other models update none
 INPUT_WRITES = {"resnet": 6 * 3}
