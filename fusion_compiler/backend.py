@@ -316,6 +316,10 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
             return aot_cache.compiler(kind, finish, cudagraphs.static_input_indices)
         # the decomposition table is part of what aot_autograd made: its switch keys the entries
         table_kind = partition if config.max_pool else f"{partition}+aten-max-pool"
+        if cuda is None and not (interpreting() or config.emit_sources):
+            # where no kernel runs, composite ops keep ATen's kernels (decompositions.py,
+            # _kernels_run): a graph traced so must not serve the interpreter or `dump`
+            table_kind += "+no-kernels"
         kept = aot_cache.context(aot_cache.namespace(config.cache_dir, table_kind), finish,
                                  on_miss=start_workers)
     else:

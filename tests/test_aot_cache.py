@@ -241,6 +241,32 @@ def test_each_partitioner_has_its_own_entries(cache_dir, device, monkeypatch):
     assert_close(out, eager_step(model, x)[0])
 
 
+def test_a_graph_traced_where_no_kernel_runs_does_not_serve_the_interpreter(cache_dir,
+                                                                            monkeypatch):
+    """On the CPU without Triton's interpreter, composite ops keep ATen's kernels in the trace
+    (decompositions._kernels_run: a BatchNorm stays whole). Its entries are apart: the same
+    model compiled with the interpreter on (or for `dump`) traces again and fuses the norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.BatchNorm2d(6),
+                                torch.nn.ReLU())
+    x = torch.randn(2, 3, 7, 6)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, _, plain = step(model, x)
+    assert any("batch_norm" in op for r in plain for op in r.aten_ops), \
+        [r.aten_ops for r in plain]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    counters.clear()
+    out, grads, reports = step(model, x)
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+    assert [op for r in reports for op in r.aten_ops] == [
+        "aten.convolution.default", "aten.convolution_backward.default"]
+    assert kernel_count(reports) > 0
+    want, want_grads = eager_step(model, x)
+    assert_close(out, want)
+    for got, expected in zip(grads, want_grads):
+        assert_close(got, expected)
+
+
 def test_a_pass_that_fails_on_a_loaded_graph_leaves_it_on_aten(cache_dir, device, monkeypatch):
     from fusion_compiler.passes import fuse
 
