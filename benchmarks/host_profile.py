@@ -35,15 +35,17 @@ def run(target: str, backend: str, top: int) -> None:
     graphs = []
     compile_aten_graph = B.compile_aten_graph
 
-    def spy(gm, kind, config):
-        new = compile_aten_graph(gm, kind, config)
-        entry = {"fn": new}
+    def spy(gm, kind, config, **kwargs):
+        new = compile_aten_graph(gm, kind, config, **kwargs)
+        forward = new.forward           # takes the inputs as one list, which it empties
+        entry = {"fn": forward}
         graphs.append(entry)
 
-        def call(*args):
-            entry.setdefault("args", args)
-            return new(*args)
-        return call
+        def call(args):
+            entry.setdefault("args", list(args))
+            return forward(args)
+        new.forward = call
+        return new
     B.compile_aten_graph = spy
     try:
         model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
@@ -51,7 +53,8 @@ def run(target: str, backend: str, top: int) -> None:
         with torch.no_grad():
             f(*inputs)
             whole = per_call(lambda: f(*inputs))
-            parts = [per_call(lambda g=g: g["fn"](*g["args"])) for g in graphs if "args" in g]
+            parts = [per_call(lambda g=g: g["fn"](list(g["args"]))) for g in graphs
+                     if "args" in g]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 f(*inputs)
                 torch.cuda.synchronize()

@@ -582,12 +582,12 @@ def test_each_graph_is_called_through_its_compiled_forward(device, monkeypatch):
     from fusion_compiler import backend
 
     handed = []
-    boxed = backend.make_boxed_func
+    boxed = backend.boxed
 
-    def record(fn):
-        handed.append(fn)
-        return boxed(fn)
-    monkeypatch.setattr(backend, "make_boxed_func", record)
+    def record(gm):
+        handed.append(gm.forward)
+        return boxed(gm)
+    monkeypatch.setattr(backend, "boxed", record)
 
     def fn(x, w):
         return torch.nn.functional.layer_norm(x * 2.0, (37,), w).relu()
@@ -610,3 +610,35 @@ def test_each_graph_is_called_through_its_compiled_forward(device, monkeypatch):
     assert_close(out, fn(x.detach(), w.detach()))
     assert_close(gx, x2.grad)
     assert_close(gw, w2.grad)
+
+
+def test_a_compiled_graph_frees_each_input_after_its_last_use():
+    """The code aot_autograd calls takes the argument list itself and empties it, so an input
+    dies after its last use inside the graph (a backward's saved activations, one by one), not
+    when the call returns."""
+    import weakref
+
+    from fusion_compiler import backend as B
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    first = graph.call_function(torch.add, (a, 1))
+    seen = []
+
+    def probe(x):
+        seen.append(dead())         # a's last use is behind us
+        return x * 2
+    later = graph.call_function(probe, (b,))
+    graph.output((first, later))
+    gm = torch.fx.GraphModule({}, graph)
+    fn = B.boxed(B.with_code(gm))
+    x, y = torch.randn(5), torch.randn(5)
+    ref = weakref.ref(x)
+
+    def dead():
+        return ref() is None
+    args = [x, y]
+    want = (x + 1, y * 2)
+    del x
+    out = fn(args)
+    assert args == [] and seen == [True] and fn._boxed_call
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
