@@ -123,12 +123,15 @@ RESIDENT_VALUES = 20
 # registers an element of a row kernel's block takes for its loads (statements.element_registers),
 # times the elements a thread holds, most: a persistent program's whole row, a looped program's
 # step. ResNet-50's stem backward at batch 128 (BatchNorm's backward, ReLU's and the max pool's,
-# 19 registers an element: the pool's four windows' index, code and gradient) spilled 764
-# registers held whole (rows of 12544 on 16 warps: 32 elements a thread) and took 12.9 ms on
-# the H200, 134 looped in steps of 2048 on 8 warps (3.7 ms, two passes); ATen's pool and the
-# row kernel without it 1.1 ms + 0.27 ms. Other kernels of the zoo take at most 15 an element.
-PERSISTENT_ELEMENT_REGISTERS = 512
-LOOPED_ELEMENT_REGISTERS = 128
+# 19 registers an element with int64 indexes: the pool's four windows' index, code and
+# gradient) spilled 764 registers held whole (rows of 12544 on 16 warps: 32 elements a thread)
+# and took 12.9 ms on the H200, 134 looped in steps of 2048 on 8 warps (3.7 ms, two passes);
+# ATen's pool and the row kernel without it 1.1 ms + 0.27 ms; in steps of 1024, one pass,
+# 1.3 ms. Compared in int32 (16 an element), compiled for sm_90 on the CPU (scratch/regs.py):
+# held whole 337 spill instructions; steps of 2048 234 registers, 1024 128 (two 8-warp
+# programs an SM), 512 75. Other kernels of the zoo take at most 15 an element.
+PERSISTENT_ELEMENT_REGISTERS = 384
+LOOPED_ELEMENT_REGISTERS = 96
 
 
 def row_limits(n, registers: int, max_persistent_block: int):

@@ -30,8 +30,11 @@ of the 9 windows in 2-d), and it takes each one's gradient where that window's i
 own position ``h * W + w`` (a window's index lies inside it: one that does not hold the
 element never matches). The windows are read by index arithmetic (each repeated ``sh`` times
 by a reshape of an expand, shifted, zero-padded, sliced), summed in fp32 (ATen's CUDA kernel
-accumulates in fp32 too). Pointwise over the input's gradient: in ResNet's backward, inside
-the kernel of the BatchNorm's backward. Where the index is recomputed in the kernel from the
+accumulates in fp32 too). Index and position are compared in int32 where a plane has fewer
+than 2**31 elements (the forward's index is summed in int32 and widened), half the registers
+of int64 (ResNet's stem backward for sm_90, steps of 1024: 128 registers against 175).
+Pointwise over the input's gradient: in ResNet's backward, inside the kernel of the
+BatchNorm's backward. Where the index is recomputed in the kernel from the
 forward's code, it is ``base + code`` at the window read. Session 47's first form compared
 ``index - base`` with each of the kh * kw window positions, each spread to where it lands
 (``slices.spread``): nine masked reads of index and gradient an element; dilation > 1 keeps it.
@@ -146,6 +149,10 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
             continue
         code = torch.where((v > best) | torch.isnan(v), step[i][j], code)
         best = torch.maximum(best, v)
+    if x.shape[-2] * x.shape[-1] < 2 ** 31:
+        # the sum in int32 (a backward that recomputes the index from ``code`` reads a 4-byte
+        # base, and compares in int32: _gather_windows), widened to ATen's int64 after it
+        return best, (base.to(torch.int32) + code.to(torch.int32)).to(torch.int64)
     return best, base + code.to(torch.int64)
 
 
@@ -188,6 +195,8 @@ def _gather_windows(acc, x, k, s, p, out, indices):
     height, width = x.shape[-2:]
     position = (torch.arange(height, device=x.device) * width).view(-1, 1) \
         + torch.arange(width, device=x.device)
+    if height * width < 2 ** 31:        # compared in int32: half the registers an index
+        position, indices = position.to(torch.int32), indices.to(torch.int32)
     total = None
     for th in range(-(-k[0] // s[0])):
         g = _window_back(acc, -2, s[0], p[0], th, height)

@@ -26,12 +26,13 @@ def _looped(text: str) -> str:
 
 
 def test_row_limits_rule():
-    """ResNet-50's stem backward (19 registers an element, rows of 12544) loops in steps of
-    1024; the zoo's usual rows keep their blocks."""
+    """ResNet-50's stem backward (16 registers an element compared in int32, 19 in int64;
+    rows of 12544) loops in steps of 1024; the zoo's usual rows keep their blocks."""
+    assert launch.row_limits(12544, 16, 16384) == (8192, 1024)
     assert launch.row_limits(12544, 19, 16384) == (8192, 1024)
     assert launch.row_limits(4096, 3, 16384) == (16384, launch.LOOPED_RBLOCK)
-    assert launch.row_limits(16384, 16, 16384) == (16384, launch.LOOPED_RBLOCK)
-    assert launch.row_limits(16384, 17, 16384) == (8192, 1024)
+    assert launch.row_limits(16384, 12, 16384) == (16384, launch.LOOPED_RBLOCK)
+    assert launch.row_limits(16384, 13, 16384) == (8192, 1024)
     assert launch.row_limits(None, 40, 16384) == (16384, 512)      # symbolic rows: the step
     assert launch.row_limits(50000, 100, 16384) == (16384, 256)     # 256 columns at least
     assert launch.row_settings(8, 12544, 8192, False, 1024) == (1, 1024, True, 8)
