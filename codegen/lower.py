@@ -134,16 +134,13 @@ class Lowering(PointwiseLowering):
     # ------------------------------------------------------------------ schedule
     def run(self) -> LoweredKernel:
         full = self.full
-        row, per_row = self.kind == "row", (self.shape[:-1], self.shape[:-1] + (1,))
         early = set()
-        if row and not self.persistent:
+        if self.kind == "row" and not self.persistent:
             # a looped kernel stores a per-element output that no reduction feeds in the first
             # pass, where its value is made: a later pass would read and compute it again
             for pos, vid in enumerate(self.ir.outputs):
-                shape = self.ir.values[vid].shape
-                if self.depth[vid] == 0 and shape not in per_row \
-                        and not one_a_row(shape, self.shape[:-1]):
-                    self._store_output(pos, vid, row, per_row)
+                if self.depth[vid] == 0 and not self._per_row(self.ir.values[vid].shape):
+                    self._store_output(pos, vid)
                     early.add(pos)
         if self.kind == "row":
             for level in range(max(self.levels.values(), default=-1) + 1):
@@ -155,16 +152,24 @@ class Lowering(PointwiseLowering):
                 self.pending = []
         for pos, vid in enumerate(self.ir.outputs):
             if pos not in early:
-                self._store_output(pos, vid, row, per_row)
+                self._store_output(pos, vid)
         return LoweredKernel(self.ir, self.kind, self.shape, self.phases, self.stores, self.tail,
                              self.loads, self.iter_syms)
 
-    def _store_output(self, pos, vid, row, per_row):
+    def _per_row(self, shape) -> bool:
+        """Whether an output of ``shape`` holds one value a row (stored in the tail)."""
+        return self.kind == "row" and shape != self.shape and (
+            shape in (self.shape[:-1], self.shape[:-1] + (1,))
+            or one_a_row(shape, self.shape[:-1]))
+
+    def _store_output(self, pos, vid):
         """Emit output ``pos`` (value ``vid``): a per-row value in the tail, a per-element one
         in the current phase's loop."""
         full = self.full
         val = self.ir.values[vid]
-        if row and val.shape != self.shape and val.shape in per_row:
+        row = self.kind == "row"
+        if row and val.shape != self.shape and val.shape in (self.shape[:-1],
+                                                               self.shape[:-1] + (1,)):
             index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
             var = self.value(vid, index, frozenset())
             self.tail.append(("store", pos, var, self._offset(index, val.stride), False))

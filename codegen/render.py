@@ -42,13 +42,14 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
         kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
     else:
         n = shape[-1]
-        if n.is_Integer and any(op.target in SCANS for op in ir.ops):
+        scans = any(op.target in SCANS for op in ir.ops)
+        if n.is_Integer and scans:
             # a scan holds its row in one block (the lowering refused longer or symbolic rows)
             max_persistent_block = max(max_persistent_block, _next_pow2(int(n)))
         fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
         held = Lowering(ir, hints, True).run() if not n.is_Integer or fits else None
         looped = None if fits else Lowering(ir, hints, False).run()
-        if not any(op.target in SCANS for op in ir.ops):
+        if not scans:
             # elements too heavy for a thread to hold a whole row of them: the looped kernel,
             # in steps that fit (launch.row_limits)
             max_persistent_block, looped_block = rules.row_limits(

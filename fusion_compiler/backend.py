@@ -237,11 +237,9 @@ class BoxedCode(torch.fx.graph.CodeGen):
 def boxed(gm: torch.fx.GraphModule):
     """What aot_autograd calls for a graph whose code is ``BoxedCode``'s: its forward itself (a
     GraphModule's ``__call__`` goes through nn.Module's hook machinery on every call, ~1 us of
-    host time), marked as taking the argument list."""
-    forward = gm.forward
-
-    def fn(args):
-        return forward(args)
+    host time), marked as taking the argument list. A partial, not a wrapper function: no
+    Python frame of its own on the call path."""
+    fn = functools.partial(gm.forward)
     fn._boxed_call = True
     return fn
 

@@ -585,8 +585,8 @@ def test_each_graph_is_called_through_its_compiled_forward(device, monkeypatch):
     boxed = backend.boxed
 
     def record(gm):
-        handed.append(gm.forward)
-        return boxed(gm)
+        handed.append(boxed(gm))
+        return handed[-1]
     monkeypatch.setattr(backend, "boxed", record)
 
     def fn(x, w):
@@ -600,7 +600,9 @@ def test_each_graph_is_called_through_its_compiled_forward(device, monkeypatch):
         out.sum().backward()
     assert [r.kind for r in reports] == ["forward", "backward"] and kernel_count(reports) >= 2
     assert len(handed) == 2
-    for forward in handed:
+    for call in handed:
+        forward = call.func                             # a partial of the bound forward
+        assert call._boxed_call and not call.args
         assert forward.__func__ is not _LazyGraphModule._lazy_forward
         assert forward.__func__ is type(forward.__self__).forward
         assert "launch" in forward.__self__.code      # a generated kernel in each
