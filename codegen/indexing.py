@@ -264,13 +264,19 @@ def print_expr(e) -> str:
     if isinstance(e, PowByNatural):
         return print_expr(sympy.Pow(*e.args))
     if isinstance(e, (FloorDiv, CleanDiv)):
-        return f"({print_expr(e.args[0])} // {print_expr(e.args[1])})"
+        num, den = e.args
+        shift = _lifted(num, den)
+        if shift:
+            return f"({print_expr(num + shift * den)} // {print_expr(den)} - {shift})"
+        return f"({print_expr(num)} // {print_expr(den)})"
     if isinstance(e, ModularIndexing):
         base, div, mod = e.args
+        base += _lifted(base, div * mod) * div * mod
         inner = print_expr(base) if div == 1 else f"({print_expr(base)} // {print_expr(div)})"
         return f"({inner} % {print_expr(mod)})"
     if isinstance(e, (Mod, PythonMod, sympy.Mod)):
-        return f"({print_expr(e.args[0])} % {print_expr(e.args[1])})"
+        num, den = e.args
+        return f"({print_expr(num + _lifted(num, den) * den)} % {print_expr(den)})"
     if isinstance(e, (Max, sympy.Max)):
         return _fold("max", e.args)
     if isinstance(e, (Min, sympy.Min)):
@@ -280,6 +286,40 @@ def print_expr(e) -> str:
     if e is sympy.true or e is sympy.false:    # a predicate decided by the sizes alone
         return str(bool(e))
     raise NotFusable(f"cannot print index expression {e} ({type(e).__name__})")
+
+
+def _lifted(num, den) -> int:
+    """How many ``den`` to add to ``num`` (``a + c``, a sum of index terms that are never
+    negative, and a negative constant ``c``) so that it is never negative: 0 where it cannot be
+    (or need not be) done. Triton's ``//`` and ``%`` on integers truncate toward zero, as C's,
+    where Python's (and Triton's interpreter's) floor; and Triton's axis analysis claims
+    constancy for ``//`` that a negative numerator breaks (triton-lang/triton#7749, the
+    reason Inductor prints such a division another way). A numerator that is never negative
+    takes both out: ``(a - 1) // 2`` is printed ``(a + 1) // 2 - 1``, the same number
+    everywhere, a masked lane included."""
+    if not (isinstance(den, sympy.Integer) and den > 0):
+        return 0
+    c, rest = sympy.sympify(num).as_coeff_Add()
+    if not (c.is_Integer and c < 0 and rest != 0 and _never_negative(rest)):
+        return 0
+    return -(int(c) // int(den))        # ceil(-c / den)
+
+
+def _never_negative(e) -> bool:
+    """Whether index expression ``e`` is never negative: sums and products of non-negative
+    integers and of symbols that are (the iteration indices and the sizes; a loaded index is
+    not), their floor divisions by and remainders of positive integers."""
+    if e.is_Integer:
+        return e >= 0
+    if e.is_Symbol:
+        return bool(e.is_nonnegative)
+    if e.is_Add or e.is_Mul:
+        return all(_never_negative(a) for a in e.args)
+    if isinstance(e, (FloorDiv, CleanDiv, Mod, PythonMod, sympy.Mod)):
+        return _never_negative(e.args[0]) and e.args[1].is_Integer and e.args[1] > 0
+    if isinstance(e, ModularIndexing):
+        return _never_negative(e.args[0]) and all(a.is_Integer and a > 0 for a in e.args[1:])
+    return False
 
 
 def _fold(fn, args):
