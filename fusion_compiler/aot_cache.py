@@ -129,6 +129,9 @@ class _KeyDetails:
         sdp = torch.backends.cuda
         self.sdp = [f() for f in (sdp.flash_sdp_enabled, sdp.mem_efficient_sdp_enabled,
                                   sdp.math_sdp_enabled, getattr(sdp, "cudnn_sdp_enabled", bool))]
+        # a convolution's output layout in the trace follows the backend ATen picks: cuDNN's
+        # channels-last where its input is, the native kernels' contiguous where cuDNN is off
+        self.conv_backends = (torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled)
         self.constants = _constant_values(gm)
 
 

@@ -241,6 +241,26 @@ def test_each_partitioner_has_its_own_entries(cache_dir, device, monkeypatch):
     assert_close(out, eager_step(model, x)[0])
 
 
+def test_the_convolution_backends_are_in_the_key(cache_dir, device, monkeypatch):
+    """A convolution's traced output layout follows the backend ATen picks (cuDNN's
+    channels-last, the native kernels' contiguous with cuDNN off): a graph kept with cuDNN on
+    does not serve a compile with it off, and back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(6, 5, 1)).to(device)
+    x = torch.randn(2, 3, 7, 6, device=device)
+    step(model, x)
+    for enabled in (False, True):
+        monkeypatch.setattr(torch.backends.cudnn, "enabled", enabled)
+        counters.clear()
+        out, grads, _ = step(model, x)
+        assert cache_events().get("autograd_cache_hit", 0) == int(enabled), cache_events()
+        want, want_grads = eager_step(model, x)
+        assert_close(out, want)
+        for got, expected in zip(grads, want_grads):
+            assert_close(got, expected)
+
+
 def test_a_graph_traced_where_no_kernel_runs_does_not_serve_the_interpreter(cache_dir,
                                                                             monkeypatch):
     """On the CPU without Triton's interpreter, composite ops keep ATen's kernels in the trace
