@@ -289,7 +289,10 @@ def first_launch(table: dict, key: tuple, kernel, grid: int, *args, **kwargs) ->
     rt = knobs.runtime
     if (_STATIC is not None and not _hooked(rt.launch_enter_hook)
             and not _hooked(rt.launch_exit_hook)):
-        entry = static_entry(kernel.warmup(*args, grid=(grid,), **kwargs), len(args))
+        # None where Triton's interpreter was turned on after this module loaded (warmup
+        # compiles nothing there): Triton launches it, on the CPU
+        compiled = kernel.warmup(*args, grid=(grid,), **kwargs)
+        entry = static_entry(compiled, len(args)) if compiled is not None else None
         if entry is not None:
             table[key] = entry
             values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)

@@ -18,6 +18,7 @@ value) costs what it did before: the first call compiles the variant it needs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import re
@@ -245,11 +246,14 @@ def cuda_target(device: torch.device):
 def compile_here(device: torch.device, kernel, kernel_calls: list) -> None:
     """Compile ``kernel``'s recorded launches in this process (a cache hit where a worker
     compiled them), for ``device``."""
-    # a thread starts on device 0: Triton compiles for, and caches under, the current one
-    with torch.cuda.device(device):
+    # a thread starts on device 0: Triton compiles for, and caches under, the current one (a
+    # CPU graph's kernels, on a GPU machine where Triton's interpreter was turned on after it
+    # loaded: interpreted, warmup compiles nothing)
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
         for _, grid, args, kwargs in kernel_calls:
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
-            if fits_static(compiled, len(args)) is not None:
+            if compiled is None or fits_static(compiled, len(args)) is not None:
                 continue        # torch's launcher will launch it (launch.first_launch)
             # on its first launch Triton would also load the binary and build the kernel's
             # C launcher (a C compiler run per argument signature, cached on disk); done

@@ -121,8 +121,9 @@ class KernelCompiles:
         device = launch.args[0]
         compiling = self.on.get(device)
         if compiling is None:
-            # the workers compile for one GPU at a time: the first device's kernels
-            pool = None if self.on else compile_pool.current()
+            # the workers compile for one GPU at a time: the first device's kernels (a CPU
+            # graph's, interpreted, on a GPU machine: none)
+            pool = None if self.on or device.type != "cuda" else compile_pool.current()
             compiling = self.on[device] = precompile.Compiling(
                 functools.partial(precompile.compile_here, device), ctx.config.compile_threads,
                 pool, precompile.cuda_target(device) if pool is not None else None)
