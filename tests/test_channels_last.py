@@ -160,7 +160,9 @@ def test_a_view_that_needs_nchw_keeps_the_layout(device, conv_layouts):
     assert note.startswith("as traced: the graph does not trace channels-last (") and \
         "view" in note, note
     assert conv_layouts["inference"] == ["contiguous"] * 2
-    assert kernel_count(reports) == 1
+    # on CUDA also the first convolution's bias, which ATen's cuDNN path adds in a kernel of
+    # its own too (passes/conv_bias.py); its reader is the second convolution
+    assert kernel_count(reports) == (2 if device == "cuda" else 1)
     assert_close(out, expected, dtype=torch.float32)
 
 

@@ -293,13 +293,16 @@ def test_training_dumps_forward_and_backward(capsys):
     assert doc["graphs"][1]["groups"]
 
 
-def test_dump_says_how_convolutions_are_laid_out(capsys, tiny):
-    """The layout pass's decision, in the table and the JSON (passes/channels_last.py)."""
-    rc, out, err = dump(capsys, f"{tiny}:conv_net")
+def test_dump_says_how_convolutions_are_laid_out(capsys, tiny, device):
+    """The layout pass's decision, in the table and the JSON (passes/channels_last.py). On the
+    device the tests run kernels on (a CPU model's convolutions keep their layout on a GPU
+    machine, where its kernels would not run: "convolutions on cpu"), with the H200's profile."""
+    where = ("--device", device, "--profile", "h200")
+    rc, out, err = dump(capsys, f"{tiny}:conv_net", *where)
     assert rc == 0, err
     note = "channels-last: 2 convolutions, estimated time channels-last 0.82x of contiguous"
     assert f"convolution activations: {note} (passes/channels_last.py)" in out
-    doc = dump_json(capsys, f"{tiny}:conv_net", "--training")
+    doc = dump_json(capsys, f"{tiny}:conv_net", "--training", *where)
     check_schema(doc)
     assert [g["layout"] for g in doc["graphs"]] == [note] * 2    # training: the same rule
     assert dump_json(capsys, tiny)["graphs"][0]["layout"] is None        # no convolution
