@@ -168,13 +168,11 @@ class Lowering(PointwiseLowering):
         full = self.full
         val = self.ir.values[vid]
         row = self.kind == "row"
-        if row and val.shape != self.shape and val.shape in (self.shape[:-1],
-                                                               self.shape[:-1] + (1,)):
-            index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
-            var = self.value(vid, index, frozenset())
-            self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
-        elif row and val.shape != self.shape and one_a_row(val.shape, self.shape[:-1]):
-            index = row_index(full, self.shape[:-1], val.shape)
+        if self._per_row(val.shape):
+            if val.shape in (self.shape[:-1], self.shape[:-1] + (1,)):
+                index = full[:-1] + ((sympy.Integer(0),) if len(val.shape) == len(full) else ())
+            else:
+                index = row_index(full, self.shape[:-1], val.shape)
             var = self.value(vid, index, frozenset())
             self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
         elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:

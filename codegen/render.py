@@ -45,8 +45,8 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
         scans = any(op.target in SCANS for op in ir.ops)
         if n.is_Integer and scans:
             # a scan holds its row in one block (the lowering refused longer or symbolic rows)
-            max_persistent_block = max(max_persistent_block, _next_pow2(int(n)))
-        fits = n.is_Integer and _next_pow2(int(n)) <= max_persistent_block
+            max_persistent_block = max(max_persistent_block, rules._next_pow2(int(n)))
+        fits = n.is_Integer and rules._next_pow2(int(n)) <= max_persistent_block
         held = Lowering(ir, hints, True).run() if not n.is_Integer or fits else None
         looped = None if fits else Lowering(ir, hints, False).run()
         if not scans:
@@ -55,8 +55,8 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             max_persistent_block, looped_block = rules.row_limits(
                 int(n) if n.is_Integer else None, element_registers(held or looped),
                 max_persistent_block)
-            if fits and _next_pow2(int(n)) > max_persistent_block:
-                fits, held, looped = False, None, Lowering(ir, hints, False).run()
+            if fits and rules._next_pow2(int(n)) > max_persistent_block:
+                held, looped = None, Lowering(ir, hints, False).run()
         if held is not None:
             late = late_loads(held)
             strided = strided_rows(held)
@@ -157,10 +157,6 @@ from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cu
                                             few_programs, launch_static, pointwise_settings,
                                             raw_stream, row_settings, split_settings)
 """
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _header(ir, title, kind):

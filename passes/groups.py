@@ -221,7 +221,7 @@ def _looped_passes(group: FusionGroup, view: GraphView, ctx):
         return 1, (), "pointwise"
     src = reductions[0].args[0].meta["fc_tensor"]
     n = hint(src.shape[-1], ctx.size_hints)
-    if 1 << max(n - 1, 0).bit_length() <= ctx.config.max_persistent_block or any(
+    if launch._next_pow2(n) <= ctx.config.max_persistent_block or any(
             m.target in SCANS for m in reductions):
         return 1, (), "rows"        # a scan's row is one block, whatever its length
     if src.shape[-1].is_Integer and _resident(group, src, n, ctx):
