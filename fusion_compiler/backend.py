@@ -24,7 +24,8 @@ from . import aot_cache, cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
-from .passes import channels_last, fast_calls, late_decompose, nearest_upsample, sdpa_mask
+from .passes import (channels_last, fast_calls, late_decompose, layout_checks, nearest_upsample,
+                     sdpa_mask)
 from .report import GraphReport, aten_compute_ops, publish
 from . import summary
 
@@ -179,6 +180,7 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config, pen
         report.aten_ops = aten_compute_ops(gm)
         report.compile_seconds = time.perf_counter() - started
         publish(report)
+        layout_checks.run(gm)       # a backward's kernels may read its saved convolutions
         return with_code(gm)        # as far as the passes rewrote it
     report.ran_kernels = runs_kernels
     report.phase_seconds = ctx.seconds
@@ -212,6 +214,7 @@ def _runnable(gm: torch.fx.GraphModule) -> list:
     """``gm`` made ready to run (its ATen calls through torch's direct bindings, its code
     compiled); returns the ATen ops it keeps, named before fast_calls renames them."""
     ops = aten_compute_ops(gm)
+    layout_checks.run(gm)
     fast_calls.run(gm)
     with_code(gm)
     return ops
