@@ -136,7 +136,8 @@ class KernelCache:
             module = types.ModuleType(name)
             module.__file__ = str(path)
             sys.modules[name] = module
-            exec(compile(source, str(path), "exec"), module.__dict__)
+            with triton_lib.triton_mode(interpret):     # the mode asked, whatever the env says
+                exec(compile(source, str(path), "exec"), module.__dict__)
             module.fl = triton_lib.for_mode(interpret)      # the helpers of the same mode
             module.launch  # noqa: B018  (a module without its launcher is damaged)
             return module

@@ -3,6 +3,8 @@
 On the GPU the transcendental helpers are libdevice's. Triton's interpreter (TRITON_INTERPRET=1,
 used by the CPU tests) has no libdevice, so there they are written from the primitives it has.
 """
+import contextlib
+import logging
 import os
 import sys
 import types
@@ -10,13 +12,40 @@ import types
 import triton
 import triton.language as tl
 
+log = logging.getLogger("fusion_compiler")
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, read now)."""
+
+def _requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-INTERPRET = interpreting()      # the mode this module's jit functions were made for
+# Triton's own jit functions (tl.sum, tl.max, ...) were made for the interpreter: only when
+# TRITON_INTERPRET was set before Triton was imported. Set later, the interpreter cannot call
+# them ("Cannot call @triton.jit'd outside of the scope of a kernel").
+LANGUAGE_INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
+_said_late = False
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter: TRITON_INTERPRET, read now, where
+    Triton's language was imported for it (else False, with a warning once: kernels run
+    compiled, on the GPU, and CPU tensors on ATen)."""
+    if not _requested():
+        return False
+    if LANGUAGE_INTERPRETED:
+        return True
+    global _said_late
+    if not _said_late:
+        _said_late = True
+        log.warning("fusion-compiler: TRITON_INTERPRET=1 was set after Triton was imported, "
+                    "so Triton's own functions (tl.sum, ...) were built for the GPU and its "
+                    "interpreter cannot run them: kernels run compiled and CPU tensors on "
+                    "ATen. Set TRITON_INTERPRET=1 before importing torch or triton to run "
+                    "the kernels in the interpreter.")
+    return False
+
+
+INTERPRET = _requested()        # the mode this module's jit functions were made for
 
 if INTERPRET:
     from .interpreter_patch import bool_results, cache_dtype_lookup, skip_nested_patching
@@ -391,15 +420,23 @@ def for_mode(interpret: bool):
         twin = types.ModuleType(name)
         twin.__file__ = __file__
         sys.modules[name] = twin
-        saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-        try:
+        with triton_mode(interpret):
             with open(__file__) as f:
                 exec(compile(f.read(), __file__, "exec"), twin.__dict__)
-        finally:
-            if saved is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
         _TWINS[interpret] = twin
     return twin
+
+
+@contextlib.contextmanager
+def triton_mode(interpret: bool):
+    """TRITON_INTERPRET set to ``interpret`` inside the block: the mode ``triton.jit`` makes
+    the functions decorated there for."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
