@@ -14,8 +14,9 @@ So each output of a convolution, forward or backward, passes through ``as_traced
 anything reads it: the tensor itself where its strides are the traced ones (one tuple compare a
 call), else a copy in the traced layout, with a warning the first time for each op and pair of
 layouts. A copy costs a read and a write of the tensor: a correct result, slower, and the
-warning says so. Strides of size-1 dimensions address nothing and are not compared. Graphs
-with symbolic strides are left alone (their kernels take sizes from the tensors).
+warning says so. Strides of size-1 dimensions address nothing and are not compared. Outputs
+with symbolic sizes or strides are not checked: the channels-last rewrite, where the mismatch
+was seen, does not run on dynamic shapes.
 """
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ def _restride(t: torch.Tensor, stride: tuple, op: str) -> torch.Tensor:
         log.warning("fusion-compiler: %s returned a %s tensor with strides %s where the trace "
                     "gave %s; it is copied into the traced layout on each call (correct, one "
                     "extra copy). torch's fake tensor disagrees with the convolution backend "
-                    "here: set FUSION_COMPILER_CHANNELS_LAST=0 if this is a channels-last "
-                    "rewrite's.", op, list(t.shape), tuple(t.stride()), stride)
+                    "here; where the channels-last rewrite causes it, "
+                    "FUSION_COMPILER_CHANNELS_LAST=0 avoids the copies.", op, list(t.shape), tuple(t.stride()), stride)
     out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
