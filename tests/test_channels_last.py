@@ -304,3 +304,47 @@ def test_gradients_cudnn_lays_out_otherwise_than_traced(dtype, device, monkeypat
     assert kernel_count(reports, "backward") == 1
     _as_close_as_eager(got, eager, exact, dtype, ["output", "x grad"] + [
         n for n, _ in base.named_parameters()])
+
+
+@pytest.mark.gpu
+def test_cudnn_turned_off_after_the_compile(monkeypatch, caplog):
+    """Dynamo does not guard on cuDNN's flags: a model compiled with cuDNN on keeps its graphs
+    when cuDNN is then turned off, and ATen's own convolutions return contiguous outputs where
+    the trace has channels-last ones. They are copied into the traced layout (one warning per
+    op and layout), and the step matches eager's with cuDNN off. Not yet run on a GPU
+    (session 52 had no device time left)."""
+    import logging
+
+    from fusion_compiler.passes import layout_checks
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(layout_checks, "_warned", set())
+    torch.manual_seed(0)
+    model = Block().cuda()
+    x = torch.randn(3, 3, 7, 9, device="cuda")
+
+    def step(fn):
+        for p in model.parameters():
+            p.grad = None
+        xg = x.detach().clone().requires_grad_()
+        out, pooled = fn(xg)
+        (out.square().sum() + pooled.sum()).backward()
+        return [out.detach(), xg.grad] + [p.grad for p in model.parameters()]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion")
+    with fusion_compiler.capture_compiles() as reports:
+        first = step(compiled)
+    assert all(r.summary["layout"].startswith("channels-last") for r in reports)
+    # as test_training_graphs_run_channels_last's
+    assert kernel_count(reports, "forward") == 6
+    assert kernel_count(reports, "backward") == 2
+    for got, want in zip(first, step(model)):
+        assert_close(got, want, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"), \
+            fusion_compiler.capture_compiles() as again:
+        got = step(compiled)
+    assert again == []                      # the same graphs, not compiled again
+    assert any("copied into the traced layout" in r.getMessage() for r in caplog.records)
+    for g, want in zip(got, step(model)):
+        assert_close(g, want, atol=1e-4, rtol=1e-4)
