@@ -12,7 +12,8 @@ Note on the algorithm (XLA's priority fusion, simplified):
         score(P, C1..Ck) = time(P) + sum time(Ci) - sum time(Ci u P)
         take the best positive candidate that is legal, merge, re-score the new group's edges
     until no positive legal candidate is left
-    then: siblings reading one tensor, with no path between them, merged (horizontal fusion)
+    then: siblings reading one tensor, with no path between them, merged (horizontal fusion),
+          and small groups of one shape that read graph inputs alone (batch counters)
 
 Legality is separate from profitability: a merge is refused when it would make a cycle in the
 graph of groups (a path P -> X -> C through another group or an ATen op), when the group would
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import defaultdict
 
 import networkx as nx
@@ -36,6 +38,7 @@ from ..codegen.kernel_ir import NotFusable, build_kernel_ir
 from . import decision_cache, recompute
 from .groups import FusionGroup, GraphView, analyze, charge_parts
 from .legality import check_legal
+from .shapes import hint
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -199,6 +202,9 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         # each costs a launch)
         families = defaultdict(set)
         for gid, g in groups.items():
+            shape = _graph_inputs_only(g, ctx.size_hints)
+            if shape is not None:
+                families["inputs only", shape].add(gid)
             for i in g.inputs:
                 families["reads", i].add(gid)
                 if i in group_of:       # results of one kernel: a column sum's totals
@@ -260,6 +266,26 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         order.clear()
         del groups[a], groups[b]
         groups[merged.id] = merged
+
+
+# a group reading only graph inputs, with outputs this small, is a launch and little else
+SMALL_OUTPUT = 1024
+
+
+def _graph_inputs_only(g, size_hints):
+    """The output shape of ``g`` where it reads graph inputs alone and writes small outputs of
+    one shape, else None: BatchNorm's batch counters (``num_batches_tracked + 1``, one per
+    layer, 53 in ResNet-50's training step). Such groups share no input and no reader, but
+    nothing orders them either: groups of one shape are one pointwise kernel, a launch instead
+    of one each, and each result is still written over its buffer (``inplace``;
+    a multi-part kernel of other shapes would not be)."""
+    if not g.inputs or not all(i.op == "placeholder" for i in g.inputs):
+        return None
+    shapes = {tuple(hint(d, size_hints) for d in o.meta["fc_tensor"].shape) for o in g.outputs}
+    if len(shapes) != 1:
+        return None
+    shape = shapes.pop()
+    return shape if math.prod(shape) <= SMALL_OUTPUT else None
 
 
 def _decision(p, c, merged, score, taken, reason):

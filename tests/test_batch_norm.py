@@ -144,9 +144,10 @@ def test_a_resnet_block_trains(dtype, channels_last, device):
     assert leftover_aten(reports, "forward") == ["aten.convolution.default"] * 2
     assert leftover_aten(reports, "backward") == ["aten.convolution_backward.default"] * 2
     # channels-last: a BN's statistics, their combination and its output in one kernel over
-    # rows of its channels' 105 values (one chunk), forward and backward
+    # rows of its channels' 105 values (one chunk), forward and backward; the two batch
+    # counters in one kernel (fuse._graph_inputs_only)
     per_bn = 1 if channels_last else 3
-    assert kernel_count(reports, "forward") == 2 * (per_bn + 1)
+    assert kernel_count(reports, "forward") == 2 * per_bn + 1
     assert kernel_count(reports, "backward") == 2 * per_bn + 1
     atol, rtol = TOL[dtype]
     names = ["output", "x grad"] + [n for n, _ in base.named_parameters()] + [
@@ -260,3 +261,56 @@ def test_cpu_without_the_interpreter_keeps_atens_batch_norm(monkeypatch):
     out, reports = compile_and_run(f, (x, w, b, rm, rv))
     assert any("batch_norm" in op for op in leftover_aten(reports))
     assert_close(out, f(x, w, b, rm, rv), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_batch_counters_are_one_kernel(dtype, device):
+    """Five BatchNorms in training: their ``num_batches_tracked + 1`` read only their own
+    buffers and write one element each. They are one kernel (fuse._graph_inputs_only), each
+    count written over its buffer (no ATen copy); after two steps every counter is 2, and the
+    outputs, running statistics and gradients are as close to float64's as eager's."""
+    import fusion_compiler
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Conv2d(3, 6, 3, padding=1)]
+    for _ in range(5):
+        layers += [torch.nn.BatchNorm2d(6), torch.nn.ReLU(), torch.nn.Conv2d(6, 6, 1)]
+    base = torch.nn.Sequential(*layers).double().to(device)
+    models = {"ours": copy.deepcopy(base).to(dtype), "eager": copy.deepcopy(base).to(dtype),
+              "exact": copy.deepcopy(base)}
+    compiled = torch.compile(models["ours"], backend="fusion", options={"channels_last": False})
+    outs = {}
+    for step in range(2):
+        x64 = torch.randn(3, 3, 7, 5, dtype=torch.float64, device=device)
+        with fusion_compiler.capture_compiles() as reports:
+            for name, fn in (("ours", compiled), ("eager", models["eager"]),
+                             ("exact", models["exact"])):
+                out = fn(x64.to(next(models[name].parameters()).dtype))
+                out.double().square().sum().backward()
+                outs[name] = out
+        if step == 0:
+            counters = [k for r in reports if r.kind == "forward" for k in r.kernels
+                        if set(k["ops"]) == {"aten.add.Tensor"}]
+            assert len(counters) == 1 and len(counters[0]["ops"]) == 5, counters
+            assert "aten.copy_.default" not in leftover_aten(reports, "forward")
+            # each BatchNorm's statistics, their combination, its normalisation with ReLU; on
+            # CUDA also the convolutions' biases (conv_bias.py)
+            assert kernel_count(reports, "forward") in ((1 + 5 * 3 + 6,) if device == "cuda"
+                                                         else (1 + 5 * 3,))
+    atol, rtol = TOL[dtype]
+
+    def close(ours, eager, exact, what):
+        err = (ours.double() - exact.double()).abs().max().item()
+        eager_err = (eager.double() - exact.double()).abs().max().item()
+        assert err <= max(2 * eager_err, atol + rtol * exact.abs().max().item()), \
+            f"{what}: error {err:.3g} against float64's, eager's {eager_err:.3g}"
+    close(outs["ours"], outs["eager"], outs["exact"], "output")
+    named = {k: dict(m.named_buffers()) for k, m in models.items()}
+    for name, value in named["ours"].items():
+        if "num_batches_tracked" in name:
+            assert value.item() == named["eager"][name].item() == 2, name
+        else:
+            close(value, named["eager"][name], named["exact"][name], name)
+    params = {k: dict(m.named_parameters()) for k, m in models.items()}
+    for name, p in params["ours"].items():
+        close(p.grad, params["eager"][name].grad, params["exact"][name].grad, f"{name} grad")
