@@ -194,17 +194,23 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
     rejected = set()        # pairs that do not pay or cannot be one kernel
     scored = {}             # pair -> (score, merged): groups never change once made
     order = {}              # unit -> topological position; made again after each merge
-    while True:
+    alone = {}              # group id -> _graph_inputs_only's shape (groups never change)
+
+    def reaches(a, b) -> bool:
         if not order:
             order.update((u, i) for i, u in enumerate(nx.topological_sort(unit)))
+        return _reaches(unit, order, a, b) or _reaches(unit, order, b, a)
+
+    while True:
         # siblings: groups that read one tensor or results of one group, and groups whose
         # results one op reads (q-norm and k-norm feeding attention: they share no input, but
         # each costs a launch)
         families = defaultdict(set)
         for gid, g in groups.items():
-            shape = _graph_inputs_only(g, ctx.size_hints)
-            if shape is not None:
-                families["inputs only", shape].add(gid)
+            if gid not in alone:
+                alone[gid] = _graph_inputs_only(g, ctx.size_hints)
+            if alone[gid] is not None:
+                families["inputs only", alone[gid]].add(gid)
             for i in g.inputs:
                 families["reads", i].add(gid)
                 if i in group_of:       # results of one kernel: a column sum's totals
@@ -213,22 +219,34 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
                 if isinstance(u, torch.fx.Node) and u.op == "call_function":
                     families["feeds", u].add(gid)
         best = None
-        for ids in families.values():
-            for a, b in itertools.combinations(sorted(ids), 2):
-                if (a, b) in rejected:
+        for key, ids in families.items():
+            ids = sorted(ids)
+            if key[0] == "inputs only":
+                # no path into a group that reads graph inputs alone; its like are all one:
+                # the first pair of neighbours not rejected is its one candidate (n groups,
+                # n - 1 merges, not the n^2 pairs' scores each time)
+                pairs = [next(((a, b) for a, b in zip(ids, ids[1:]) if (a, b) not in rejected),
+                              None)]
+                independent = True
+            else:
+                pairs = itertools.combinations(ids, 2)
+                independent = False
+            for pair in pairs:
+                if pair is None or pair in rejected:
                     continue
-                if (a, b) not in scored:
-                    if _reaches(unit, order, a, b) or _reaches(unit, order, b, a):
-                        rejected.add((a, b))
+                a, b = pair
+                if pair not in scored:
+                    if not independent and reaches(a, b):
+                        rejected.add(pair)
                         continue
                     merged = analyze(FusionGroup(
                         -1, groups[a].members | groups[b].members,
                         recomputed=groups[a].recomputed | groups[b].recomputed), view, ctx)
-                    scored[a, b] = (groups[a].cost.time + groups[b].cost.time
-                                    - merged.cost.time, merged)
-                score, merged = scored[a, b]
+                    scored[pair] = (groups[a].cost.time + groups[b].cost.time
+                                    - merged.cost.time, merged, independent)
+                score, merged, _ = scored[pair]
                 if score <= 0:
-                    rejected.add((a, b))
+                    rejected.add(pair)
                 elif best is None or score > best[0]:
                     best = (score, a, b, merged)
         if best is None:
@@ -236,7 +254,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         score, a, b, merged = best
         # checked again now: merging two other siblings since this pair was scored can have made
         # a path between them (a -> x ... y -> b, x and y merged), and fusing them a cycle
-        if _reaches(unit, order, a, b) or _reaches(unit, order, b, a):
+        if not scored[a, b][2] and reaches(a, b):
             rejected.add((a, b))
             continue
         try:
