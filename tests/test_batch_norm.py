@@ -294,9 +294,10 @@ def test_the_batch_counters_are_one_kernel(dtype, device):
             assert len(counters) == 1 and len(counters[0]["ops"]) == 5, counters
             assert "aten.copy_.default" not in leftover_aten(reports, "forward")
             # each BatchNorm's statistics, their combination, its normalisation with ReLU; on
-            # CUDA also the convolutions' biases (conv_bias.py)
-            assert kernel_count(reports, "forward") in ((1 + 5 * 3 + 6,) if device == "cuda"
-                                                         else (1 + 5 * 3,))
+            # CUDA the convolutions' biases are added by the graph (conv_bias.py): those before
+            # a BatchNorm join its statistics' kernel, the last one's may be a kernel of its own
+            # (not yet run on a GPU)
+            assert kernel_count(reports, "forward") in ((16, 17) if device == "cuda" else (16,))
     atol, rtol = TOL[dtype]
 
     def close(ours, eager, exact, what):
