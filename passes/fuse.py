@@ -196,6 +196,10 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
     order = {}              # unit -> topological position; made again after each merge
     alone = {}              # group id -> _graph_inputs_only's shape (groups never change)
 
+    def independent(a, b) -> bool:
+        """No path can lead into a group that reads graph inputs alone."""
+        return alone[a] is not None and alone[b] is not None
+
     def reaches(a, b) -> bool:
         if not order:
             order.update((u, i) for i, u in enumerate(nx.topological_sort(unit)))
@@ -222,29 +226,28 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         for key, ids in families.items():
             ids = sorted(ids)
             if key[0] == "inputs only":
-                # no path into a group that reads graph inputs alone; its like are all one:
-                # the first pair of neighbours not rejected is its one candidate (n groups,
-                # n - 1 merges, not the n^2 pairs' scores each time)
-                pairs = [next(((a, b) for a, b in zip(ids, ids[1:]) if (a, b) not in rejected),
-                              None)]
-                independent = True
+                # groups alike and independent: the first pair of neighbours not rejected is
+                # the family's one candidate (n groups, n - 1 merges, not the n^2 pairs'
+                # scores each time)
+                pair = next(((a, b) for a, b in zip(ids, ids[1:]) if (a, b) not in rejected),
+                            None)
+                pairs = [pair] if pair is not None else []
             else:
                 pairs = itertools.combinations(ids, 2)
-                independent = False
             for pair in pairs:
-                if pair is None or pair in rejected:
+                if pair in rejected:
                     continue
                 a, b = pair
                 if pair not in scored:
-                    if not independent and reaches(a, b):
+                    if not independent(a, b) and reaches(a, b):
                         rejected.add(pair)
                         continue
                     merged = analyze(FusionGroup(
                         -1, groups[a].members | groups[b].members,
                         recomputed=groups[a].recomputed | groups[b].recomputed), view, ctx)
                     scored[pair] = (groups[a].cost.time + groups[b].cost.time
-                                    - merged.cost.time, merged, independent)
-                score, merged, _ = scored[pair]
+                                    - merged.cost.time, merged)
+                score, merged = scored[pair]
                 if score <= 0:
                     rejected.add(pair)
                 elif best is None or score > best[0]:
@@ -254,7 +257,7 @@ def _horizontal(groups, group_of, unit, view, ctx, next_id):
         score, a, b, merged = best
         # checked again now: merging two other siblings since this pair was scored can have made
         # a path between them (a -> x ... y -> b, x and y merged), and fusing them a cycle
-        if not scored[a, b][2] and reaches(a, b):
+        if not independent(a, b) and reaches(a, b):
             rejected.add((a, b))
             continue
         try:
@@ -299,11 +302,11 @@ def _graph_inputs_only(g, size_hints):
     a multi-part kernel of other shapes would not be)."""
     if not g.inputs or not all(i.op == "placeholder" for i in g.inputs):
         return None
-    shapes = {tuple(hint(d, size_hints) for d in o.meta["fc_tensor"].shape) for o in g.outputs}
+    shapes = {tuple(o.meta["fc_tensor"].shape) for o in g.outputs}     # symbolic: as traced
     if len(shapes) != 1:
         return None
     shape = shapes.pop()
-    return shape if math.prod(shape) <= SMALL_OUTPUT else None
+    return shape if math.prod(hint(d, size_hints) for d in shape) <= SMALL_OUTPUT else None
 
 
 def _decision(p, c, merged, score, taken, reason):
