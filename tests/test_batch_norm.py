@@ -8,6 +8,7 @@ them over N (mean, variance, rstd, the running statistics), and the output's ker
 backward the same three. Kernel counts and values against eager (gradients against float64's,
 as close as eager's), odd sizes, channels-last, each dtype with its tolerance."""
 import copy
+import math
 
 import pytest
 import torch
@@ -271,10 +272,13 @@ def test_the_batch_counters_are_one_kernel(dtype, device):
     outputs, running statistics and gradients are as close to float64's as eager's."""
     import fusion_compiler
 
+    # convolutions without biases, as before BatchNorms in ResNets: a bias there has a gradient
+    # of 0 in exact arithmetic, and what rounding leaves of it is no measure (on the H100 in
+    # session 53: 7.4e-5 against eager's 5.7e-6, float64's 3e-14)
     torch.manual_seed(0)
-    layers = [torch.nn.Conv2d(3, 6, 3, padding=1)]
+    layers = [torch.nn.Conv2d(3, 6, 3, padding=1, bias=False)]
     for _ in range(5):
-        layers += [torch.nn.BatchNorm2d(6), torch.nn.ReLU(), torch.nn.Conv2d(6, 6, 1)]
+        layers += [torch.nn.BatchNorm2d(6), torch.nn.ReLU(), torch.nn.Conv2d(6, 6, 1, bias=False)]
     base = torch.nn.Sequential(*layers).double().to(device)
     models = {"ours": copy.deepcopy(base).to(dtype), "eager": copy.deepcopy(base).to(dtype),
               "exact": copy.deepcopy(base)}
@@ -289,15 +293,16 @@ def test_the_batch_counters_are_one_kernel(dtype, device):
                 out.double().square().sum().backward()
                 outs[name] = out
         if step == 0:
+            # the kernels whose outputs are single elements
+            groups = {g["id"]: g for r in reports if r.kind == "forward"
+                      for g in r.summary["groups"]}
             counters = [k for r in reports if r.kind == "forward" for k in r.kernels
-                        if set(k["ops"]) == {"aten.add.Tensor"}]
+                        if all(math.prod(o["shape"]) == 1 for o in groups[k["group"]]["outputs"])]
+            assert all(set(k["ops"]) == {"aten.add.Tensor"} for k in counters), counters
             assert len(counters) == 1 and len(counters[0]["ops"]) == 5, counters
             assert "aten.copy_.default" not in leftover_aten(reports, "forward")
-            # each BatchNorm's statistics, their combination, its normalisation with ReLU; on
-            # CUDA the convolutions' biases are added by the graph (conv_bias.py): those before
-            # a BatchNorm join its statistics' kernel, the last one's may be a kernel of its own
-            # (not yet run on a GPU)
-            assert kernel_count(reports, "forward") in ((16, 17) if device == "cuda" else (16,))
+            # each BatchNorm's statistics, their combination, its normalisation with ReLU
+            assert kernel_count(reports, "forward") == 16
     atol, rtol = TOL[dtype]
 
     def close(ours, eager, exact, what):

@@ -266,7 +266,7 @@ def test_batch_statistics_of_channels_last_read_strided_rows(dtype, device):
     out, reports = compile_and_run(f, (x, w, b))
     assert kernel_count(reports) == 3 and leftover_aten(reports) == []
     stats = open(reports[0].kernels[0]["path"]).read()
-    assert "STRIDED = True" in stats and "// 10" in stats.split("def launch")[0], stats
+    assert "STRIDED = 1\n" in stats and "// 10" in stats.split("def launch")[0], stats
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert_close(out, f(x, w, b), dtype=dtype)
 
@@ -311,8 +311,10 @@ def test_cudnn_turned_off_after_the_compile(monkeypatch, caplog):
     """Dynamo does not guard on cuDNN's flags: a model compiled with cuDNN on keeps its graphs
     when cuDNN is then turned off, and ATen's own convolutions return contiguous outputs where
     the trace has channels-last ones. They are copied into the traced layout (one warning per
-    op and layout), and the step matches eager's with cuDNN off. Not yet run on a GPU
-    (session 52 had no device time left)."""
+    op and layout), and the step is as close to float64's as eager's with cuDNN off. Compared
+    with float64's step, not eager's alone: cuDNN's algorithms for channels-last and NCHW
+    round differently (the H100 in session 53: a weight gradient 2.9e-4 from eager's, 0.095
+    in size, with TF32 off). Not yet run on a GPU in this form."""
     import logging
 
     from fusion_compiler.passes import layout_checks
@@ -321,30 +323,32 @@ def test_cudnn_turned_off_after_the_compile(monkeypatch, caplog):
     monkeypatch.setattr(layout_checks, "_warned", set())
     torch.manual_seed(0)
     model = Block().cuda()
+    exact_model = copy.deepcopy(model).double()
     x = torch.randn(3, 3, 7, 9, device="cuda")
+    names = ["output", "pooled", "x grad"] + [n for n, _ in model.named_parameters()]
 
-    def step(fn):
-        for p in model.parameters():
+    def step(fn, params, dtype=torch.float32):
+        for p in params:
             p.grad = None
-        xg = x.detach().clone().requires_grad_()
+        xg = x.detach().to(dtype).requires_grad_()
         out, pooled = fn(xg)
         (out.square().sum() + pooled.sum()).backward()
-        return [out.detach(), xg.grad] + [p.grad for p in model.parameters()]
+        return [out.detach(), pooled.detach(), xg.grad] + [p.grad for p in params]
+    params = list(model.parameters())
+    exact = step(exact_model, list(exact_model.parameters()), torch.float64)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusion")
     with fusion_compiler.capture_compiles() as reports:
-        first = step(compiled)
+        first = step(compiled, params)
     assert all(r.summary["layout"].startswith("channels-last") for r in reports)
     # as test_training_graphs_run_channels_last's
     assert kernel_count(reports, "forward") == 5
     assert kernel_count(reports, "backward") == 2
-    for got, want in zip(first, step(model)):
-        assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _as_close_as_eager(first, step(model, params), exact, torch.float32, names)
     monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
     with caplog.at_level(logging.WARNING, logger="fusion_compiler"), \
             fusion_compiler.capture_compiles() as again:
-        got = step(compiled)
+        got = step(compiled, params)
     assert again == []                      # the same graphs, not compiled again
     assert any("copied into the traced layout" in r.getMessage() for r in caplog.records)
-    for g, want in zip(got, step(model)):
-        assert_close(g, want, atol=1e-4, rtol=1e-4)
+    _as_close_as_eager(got, step(model, params), exact, torch.float32, names)
