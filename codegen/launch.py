@@ -62,7 +62,7 @@ def few_programs(grid: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = False,
+def row_settings(rows: int, n: int, max_persistent_block: int, strided: int = 0,
                  looped_block: int | None = None):
     """(XBLOCK, RBLOCK, looped, num_warps) for a row kernel over ``rows`` rows of ``n``. A
     row longer than ``max_persistent_block`` loops in steps of ``looped_block`` (default
@@ -71,12 +71,21 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
     (statements.strided_rows), so a program's load of a column reads a contiguous run of XBLOCK
     elements: the rows a program takes are doubled while it holds at most ``STRIDED_ELEMS``
     elements and the grid keeps ``STRIDED_PROGRAMS_PER_SM`` programs an SM; 8 warps at 8192
-    elements. ConvNeXt-T's LayerNorms at batch 32 on the H200 (benchmarks/strided_rows.py,
+    elements, 4 where the kernel only reduces one such load (``strided`` 1: outputs of a value
+    a row; 2: any other kernel, codegen/render.py).
+    ConvNeXt-T's LayerNorms at batch 32 on the H200 (benchmarks/strided_rows.py,
     do_bench, us; the rule without ``strided`` / this rule / the sweep's best): channels of 96
     46.0 / 29.2 / 28.3, 192 21.8 / 15.9 / 14.0, 384 29.5 / 11.2 / 9.0, 768 9.0 / 9.0 / 9.0.
     Since the rows load in 16-byte vectors (a literal row count in the mask, session 27): this
     rule 24.2 / 13.1 / 9.0 / 8.3, the sweep's best 22.1 / 10.8 / 7.4 / 6.9 (4 warps, more rows
-    a program). Kept on whole training steps (benchmarks/strided_rules.py --step, fused
+    a program). A channels-last BatchNorm's statistics (one such load: a chunk's mean and
+    squared deviations, ``decompositions.var_mean_correction``) at 8192 elements a program, bf16
+    [128, 256, 56, 56] on the H100 (scratch/bns/bnstats.py, profiler, session 53): 8 warps
+    131.6 us, 4 warps 85.9 (Inductor's 86.5; a hand-written kernel 87.3 at 4 and 128.7 at 8);
+    16384 elements on 8 warps 107.0, on 16 199.2. Kernels of two or three such loads (their
+    backward) ran at 73-95% of the cost model's time on 8 warps and were not timed on 4, nor
+    were ConvNeXt's LayerNorms (a value an element out): they keep 8.
+    Kept on whole training steps (benchmarks/strided_rules.py --step, fused
     kernels per step, us; this rule / 8192 at 1.5 programs an SM on 4 warps / 16384 at 1.5 on
     4 / 16384 at 4 on 4): GPT-2 8 x 512 1680 / 1758 / 2331 / 2319, BERT 16 x 256 1642 / 1847 /
     2186 / 2019, though 8192 at 1.5 was as fast or faster on ConvNeXt and the column sums alone.
@@ -94,7 +103,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: bool = F
         least = STRIDED_PROGRAMS_PER_SM * _sm_count()
         while 2 * xblock * rblock <= STRIDED_ELEMS and -(-rows // (2 * xblock)) >= least:
             xblock *= 2
-        return xblock, rblock, False, 8 if xblock * rblock >= 8192 else 4
+        return xblock, rblock, False, 8 if xblock * rblock >= 8192 and strided != 1 else 4
     warps = _warps(xblock * rblock)
     if xblock * rblock >= 2048 and few_programs(-(-rows // xblock)):
         warps = min(2 * warps, 32)

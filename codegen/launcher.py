@@ -188,13 +188,14 @@ def _max_offset(shape, stride):
 
 
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
-                    hoists: bool = False, strided: bool = False, partials: int = 0,
+                    hoists: bool = False, strided: int = 0, partials: int = 0,
                     reuse=None, looped_block: int = rules.LOOPED_RBLOCK) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
     persistent row kernel has a HOIST switch, set on small grids; ``strided``: its rows' elements
-    lie apart and consecutive rows side by side (``row_settings``; the module's ``STRIDED``);
+    lie apart and consecutive rows side by side, 1 where the kernel reduces one such load to
+    a value a row, else 2 (``row_settings``; the module's ``STRIDED``);
     ``partials``: the looped kernel's reductions, where its split stages ``split0``... exist
     (few long rows: ``split_settings``); ``reuse``: a row kernel's outputs it may write over
     dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``);

@@ -34,7 +34,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     kind, shape = iteration_space(ir)
     kernels = []
     late = []               # a persistent kernel's loads after its reduction (HOIST)
-    strided = False         # its rows' elements lie apart, consecutive rows side by side
+    strided = 0             # its rows' elements lie apart, consecutive rows side by side (launcher)
     partials = 0            # a looped kernel's reductions: the split stages' partials a row
     reuse = None            # a persistent kernel's outputs over dead inputs (launcher.py)
     looped_block = rules.LOOPED_RBLOCK      # a looped kernel's step (launch.row_limits)
@@ -59,7 +59,11 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
                 held, looped = None, Lowering(ir, hints, False).run()
         if held is not None:
             late = late_loads(held)
-            strided = strided_rows(held)
+            # 1: one load of such rows and outputs of one value a row (a channels-last
+            # BatchNorm's statistics, a column sum's partials), 2: other kernels reading them
+            loads = strided_rows(held)
+            strided = 0 if not loads else 1 if loads == 1 and not any(
+                st[0] == "store" for ph in held.phases for st in ph.body) else 2
             kernels.append(("persistent", render_kernel(held, "_persistent_kernel", late=late,
                                                          strided=strided)))
             # each row read once, before it is written (the launcher hands over no input
@@ -88,7 +92,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
                                 max_persistent_block, bool(late), strided,
                                 partials, reuse, looped_block)
     if strided:
-        launcher = "STRIDED = True\n\n\n" + launcher
+        launcher = f"STRIDED = {strided}\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
 
 

@@ -48,13 +48,15 @@ def late_loads(lk) -> list:
     return direct_loads(later, registers(stmts))
 
 
-def strided_rows(lk) -> bool:
-    """Whether a row kernel loads a row whose elements lie apart in memory (a stride above 1
-    along the columns) while consecutive rows lie side by side (a stride of 1 along the last
-    row dimension): a LayerNorm over the channels of an NCHW tensor."""
+def strided_rows(lk) -> int:
+    """How many of a row kernel's loads read a row whose elements lie apart in memory (a
+    stride above 1 along the columns) while consecutive rows lie side by side (a stride of 1
+    along the last row dimension): a LayerNorm over the channels of an NCHW tensor, the
+    statistics of a channels-last BatchNorm. 0: none (a plain row kernel)."""
     if lk.kind != "row" or len(lk.iter_syms) < 2:
-        return False
+        return 0
     inner = lk.iter_syms[-2]
+    count = 0
     for _, _, offset, _ in lk.loads:
         offset = sympy.expand(offset)
         col, row = offset.coeff(COL), offset.coeff(inner)
@@ -63,10 +65,10 @@ def strided_rows(lk) -> bool:
         # a symbolic stride is a product of sizes, each at least 2 (0 and 1 are specialized)
         apart = col > 1 if col.is_number else not col.has(COL, inner)
         if apart and not (offset - col * COL - row * inner).has(COL, inner):
-            return True
-        if col == 0 and offset.has(COL) and _columns_apart(offset, lk.iter_syms):
-            return True
-    return False
+            count += 1
+        elif col == 0 and offset.has(COL) and _columns_apart(offset, lk.iter_syms):
+            count += 1
+    return count
 
 
 def _columns_apart(offset, syms) -> bool:
