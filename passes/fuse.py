@@ -11,6 +11,8 @@ Note on the algorithm (XLA's priority fusion, simplified):
         score(P, C) = time(P) + time(C) - time(P u C)      (cost_model.kernel_cost)
         score(P, C1..Ck) = time(P) + sum time(Ci) - sum time(Ci u P)
         take the best positive candidate that is legal, merge, re-score the new group's edges
+        (once, a candidate is put back behind a candidate beside it that it would make a
+        cycle of, where that one saves more bytes and at least half its time: ``_blocks``)
     until no positive legal candidate is left
     then: siblings reading one tensor, with no path between them, merged (horizontal fusion),
           and small groups of one shape that read graph inputs alone (batch counters)
@@ -97,6 +99,9 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 succ[p].add(c)
                 pred[c].add(p)
     heap, refused, seq, tried_recompute = [], set(), itertools.count(), set()
+    # merge candidates as scored: (p, c) -> (time saved, bytes saved); and those put back
+    # once behind a candidate they would have made a cycle of (_blocks), with their score
+    scores, deferred = {}, {}
 
     def push(p, c):
         merged = analyze(FusionGroup(-1, groups[p].members | groups[c].members,
@@ -107,6 +112,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
                                            "unprofitable: fused time is not lower"))
             return
+        scores[(p, c)] = (score, groups[p].cost.bytes + groups[c].cost.bytes - merged.cost.bytes)
         heapq.heappush(heap, (-score, next(seq), (p, c), merged))
 
     def push_recompute(p):
@@ -140,15 +146,25 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             continue
         if p not in groups or c not in groups or (p, c) in refused:
             continue    # a group merged since this candidate was scored
+        score = deferred.get((p, c), -neg_score)
         try:
             if _makes_cycle(unit, p, c):
                 raise NotFusable("cycle: another path leads from producer to consumer")
             check_legal(merged, view, ctx)
         except NotFusable as exc:
             refused.add((p, c))
-            ctx.decisions.append(_decision(groups[p], groups[c], merged, -neg_score, False, str(exc)))
+            ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False, str(exc)))
             continue
-        ctx.decisions.append(_decision(groups[p], groups[c], merged, -neg_score, True, "fused"))
+        if (p, c) not in deferred:
+            lost = _blocks(unit, p, c, scores, groups, succ, pred, refused)
+            if lost:
+                # taken now, this merge would make a cycle of one that saves more bytes (a
+                # chunk's mean and its squared deviations, both reading x, against one of them
+                # with a term that reads the batch's mean): that one is tried first
+                deferred[(p, c)] = score
+                heapq.heappush(heap, (-max(score - lost, 1e-12), next(seq), (p, c), merged))
+                continue
+        ctx.decisions.append(_decision(groups[p], groups[c], merged, score, True, "fused"))
         m = merged.id = next_id
         next_id += 1
         for n in merged.members:
@@ -368,6 +384,32 @@ def _reaches(unit: nx.DiGraph, order: dict, a, b) -> bool:
                 seen.add(s)
                 stack.append(s)
     return False
+
+
+def _blocks(unit: nx.DiGraph, p, c, scores, groups, succ, pred, refused) -> float:
+    """The largest score of a merge candidate beside (p, c) that merging p and c would make a
+    cycle of (a path from its producer to its consumer through some other unit), among those
+    not refused that save more bytes than (p, c) and at least half its time (so they are tried
+    before it when it is put back, ``_search``); 0.0 where there is none."""
+    score, moved = scores[(p, c)]
+    # (candidate, the group of the two that the candidate does not have)
+    beside = [((q, p), c) for q in pred[p] if q != c] + [((q, c), p) for q in pred[c] if q != p] \
+        + [((p, r), c) for r in succ[p] if r != c] + [((c, r), p) for r in succ[c] if r != p]
+    lost = 0.0
+    for (a, b), other in beside:
+        found = scores.get((a, b))
+        if found is None or a not in groups or b not in groups or (a, b) in refused \
+                or found[1] <= moved or found[0] < 0.5 * score or found[0] <= lost:
+            continue
+        # merged, the candidate's producer reaches the other group (or the other group its
+        # consumer) through a unit that is neither: a path besides the direct edge
+        if a in (p, c):
+            starts, end = [s for s in unit.successors(other) if s not in (p, c, b)], b
+        else:
+            starts, end = [s for s in unit.successors(a) if s not in (p, c)], other
+        if any(nx.has_path(unit, s, end) for s in starts):
+            lost = found[0]
+    return lost
 
 
 def _makes_cycle(unit: nx.DiGraph, p, c) -> bool:
