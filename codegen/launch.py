@@ -72,7 +72,7 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: int = 0,
     elements: the rows a program takes are doubled while it holds at most ``STRIDED_ELEMS``
     elements and the grid keeps ``STRIDED_PROGRAMS_PER_SM`` programs an SM; 8 warps at 8192
     elements, 4 where the kernel only reduces one such load (``strided`` 1: outputs of a value
-    a row; 2: any other kernel, codegen/render.py).
+    a row; 2: any other kernel, statements.strided_kind).
     ConvNeXt-T's LayerNorms at batch 32 on the H200 (benchmarks/strided_rows.py,
     do_bench, us; the rule without ``strided`` / this rule / the sweep's best): channels of 96
     46.0 / 29.2 / 28.3, 192 21.8 / 15.9 / 14.0, 384 29.5 / 11.2 / 9.0, 768 9.0 / 9.0 / 9.0.

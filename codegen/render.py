@@ -19,7 +19,7 @@ from .lowered import GATHERS, SCANS
 from .multipart import split
 from .resident import NotHeld
 from .row_loops import partial_slots
-from .statements import element_registers, late_loads, strided_rows
+from .statements import element_registers, late_loads, strided_kind
 
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
@@ -59,11 +59,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
                 held, looped = None, Lowering(ir, hints, False).run()
         if held is not None:
             late = late_loads(held)
-            # 1: one load of such rows and outputs of one value a row (a channels-last
-            # BatchNorm's statistics, a column sum's partials), 2: other kernels reading them
-            loads = strided_rows(held)
-            strided = 0 if not loads else 1 if loads == 1 and not any(
-                st[0] == "store" for ph in held.phases for st in ph.body) else 2
+            strided = strided_kind(held)
             kernels.append(("persistent", render_kernel(held, "_persistent_kernel", late=late,
                                                          strided=strided)))
             # each row read once, before it is written (the launcher hands over no input

@@ -71,6 +71,18 @@ def strided_rows(lk) -> int:
     return count
 
 
+def strided_kind(lk) -> int:
+    """The module's ``STRIDED`` for a persistent row kernel (launch.row_settings): 0 where no
+    load reads strided rows (``strided_rows``), 1 where one does and the kernel only reduces
+    it (no per-element store: a channels-last BatchNorm's statistics, a column sum's
+    partials), else 2."""
+    loads = strided_rows(lk)
+    if not loads:
+        return 0
+    per_element = any(st[0] == "store" for ph in lk.phases for st in ph.body)
+    return 1 if loads == 1 and not per_element else 2
+
+
 def _columns_apart(offset, syms) -> bool:
     """Whether a static row's column index, split into digits (``x // 28``, ``x % 28``: the H x W
     positions of a channels-last tensor's chunk), puts every column at least 2 elements from
