@@ -15,6 +15,8 @@ pointwise ops and last-dim reductions the code generator fuses:
     slice_backward, slice_scatter     -> constant_pad_nd (spread with a step), cat, where
                                          (slices.py): no zeros written, no scatter kernel
     scatter (one index per line)      -> where(arange == index): cross entropy's one-hot
+    slice/select/diagonal/as_strided_scatter into a base whose elements share memory
+                                      -> the scatter into a contiguous clone (slices.py)
     constant_pad_nd with negative pads -> slice (the crop), then the pad: a pad's backward
     native_group_norm                 -> our form below: statistics over the last dim of an
                                          [N, groups, C/groups * HxW] view, the output in place
@@ -280,7 +282,12 @@ def _table() -> dict:
     table[aten.max_pool2d_with_indices_backward.default] = _on_kernels(
         max_pool.max_pool2d_with_indices_backward)
     table[aten.slice_backward.default] = _on_kernels(slices.slice_backward)
-    table[aten.slice_scatter.default] = _on_kernels(slices.slice_scatter)
+    table[aten.slice_scatter.default] = slices.into_a_copy(aten.slice_scatter.default,
+                                                           _on_kernels(slices.slice_scatter))
+    # a base whose elements share memory is scattered into a contiguous copy (slices.py)
+    for op in (aten.select_scatter.default, aten.diagonal_scatter.default,
+               aten.as_strided_scatter.default):
+        table[op] = slices.into_a_copy(op, table.get(op))
     table[aten.scatter.value] = _on_kernels(slices.scatter_value)
     table[aten.scatter.src] = _on_kernels(slices.scatter_src)
     table[aten.constant_pad_nd.default] = _on_kernels(slices.constant_pad_nd)

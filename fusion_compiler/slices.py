@@ -26,6 +26,14 @@ Two more writes of the same kind, found by the same survey: ``scatter`` of one e
 line (cross entropy's one-hot of its targets, a max's gradient) is a ``where`` against an
 arange (``scatter_value``, ``scatter_src``), and a pad by negative amounts (a crop: the
 backward of every pad) a slice, then the pad that is left (``constant_pad_nd``).
+
+A scatter into a base whose elements share memory (an expanded tensor) writes into a copy:
+ATen's ``clone_preserve_strides`` cannot keep such strides and clones to a dense layout. torch
+2.11's fake ``slice_scatter``, ``select_scatter`` and ``diagonal_scatter`` kept them (fixed by
+2.13): the graph said stride 0 where the tensor was dense, and a kernel reading it read one
+element for all (the fuzzer, on an H100: ``neg(slice_scatter(x.expand(3), ...))`` gave
+``[-2a, -2a, -2a]`` for ``[-2a, -a, -a]``). ``into_a_copy`` makes that copy a contiguous
+``clone`` in the graph, where fake and real layouts agree, and scatters into it.
 """
 from __future__ import annotations
 
@@ -124,6 +132,25 @@ def _chosen(base, dim, index):
     positions = torch.arange(n, device=base.device)
     checked = aten.index_select(positions, 0, index.reshape(-1)).view(index.shape)
     return positions.view([n if d == dim else 1 for d in range(base.dim())]) == checked
+
+
+def _shares_memory(base) -> bool:
+    """Whether elements of ``base`` overlap in memory (ATen's MemOverlap::Yes: a stride of 0
+    where the size is more than 1, or strides that meet); static sizes and strides only."""
+    return all(type(s) is int for s in (*base.shape, *base.stride())) \
+        and torch._debug_has_internal_overlap(base) == 1
+
+
+def into_a_copy(op, decomposition=None):
+    """A decomposition of the scatter ``op`` (slice, select, diagonal or as_strided scatter):
+    where the base's elements share memory, ``op`` into a contiguous ``clone`` of it (module
+    docstring), else ``decomposition`` or ATen's op (NotImplemented)."""
+    def decompose(base, *args, **kwargs):
+        if _shares_memory(base):
+            return op(aten.clone(base, memory_format=torch.contiguous_format), *args, **kwargs)
+        return NotImplemented if decomposition is None else decomposition(base, *args, **kwargs)
+    decompose.__name__ = f"into_a_copy({op})"
+    return decompose
 
 
 def scatter_value(base, dim, index, value):

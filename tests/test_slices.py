@@ -326,3 +326,43 @@ def test_a_row_kernels_output_padded_with_zeros_is_stored_inside_the_pad(pads, k
     assert kernel_count(reports) == kernels and leftover_aten(reports) == []
     assert_close(out, want, dtype=out_dtype)
     assert out.stride() == want.stride()
+
+
+def _torch_2_11_scatter_meta(monkeypatch):
+    """torch 2.11's fake slice/select/diagonal scatter (fixed by 2.13): the base's strides kept
+    even where its elements share memory, as the GPU run that found the bug had them."""
+    import torch._meta_registrations as meta
+    from torch._prims_common import clone_preserve_strides
+    if hasattr(meta, "_scatter_meta_output"):
+        monkeypatch.setattr(meta, "_scatter_meta_output", clone_preserve_strides)
+
+
+# op -> (f(x, s), kernels): x an expanded [5, 7], written into with ``s`` (its first row's part)
+EXPANDED_SCATTERS = {
+    "slice": (lambda x: torch.slice_scatter(x, x[:, 0:3] * 2, 1, 2, 5), 1),
+    "select": (lambda x: torch.select_scatter(x, x[0] * 2, 0, 3), 1),
+    "diagonal": (lambda x: torch.diagonal_scatter(x, x.diagonal(1) * 2, 1), 2),
+    "as_strided": (lambda x: torch.as_strided_scatter(x, x[0, 1:4] * 2, (3,), (8,), 2), 2),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(EXPANDED_SCATTERS))
+def test_a_scatter_into_an_expanded_base_writes_a_copy(op, dtype, device, monkeypatch):
+    """Found by the fuzzer on an H100 (torch 2.11): ``neg(slice_scatter(x, ...))`` of an
+    expanded x read the scatter's dense output with the fake's stride of 0 and gave one element
+    for all. The scatter now writes into a contiguous clone (slices.into_a_copy); its value and
+    layout are eager's."""
+    _torch_2_11_scatter_meta(monkeypatch)
+    scatter, kernels = EXPANDED_SCATTERS[op]
+    x = randn((1, 7), dtype, device).expand(5, 7)
+
+    def f(x):
+        return -scatter(x)
+    out, reports = compile_and_run(f, (x,))
+    expected = f(x)
+    assert torch.equal(out, expected), (out, expected)
+    assert out.stride() == expected.stride()
+    assert kernel_count(reports) == kernels, [k["ops"] for r in reports for k in r.kernels]
+    left = leftover_aten(reports)
+    assert set(left) <= {"aten.diagonal.default", f"aten.{op}_scatter.default"}, left
