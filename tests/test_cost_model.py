@@ -225,7 +225,7 @@ def test_higher_score_merge_is_taken_first():
 
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
-def test_a_merge_waits_for_one_it_would_make_a_cycle_of(profile):
+def test_a_merge_waits_for_one_it_would_make_a_cycle_of(profile, device):
     """Channels-last bf16 batch statistics (chunks of a channel's N x H x W values: each one's
     mean, its squared deviations, Chan's term ``m2_i + t (mean_i - mean)^2`` with the batch's
     mean). Under the H200's prices the chunk's squared deviations with Chan's term (a launch
@@ -233,10 +233,13 @@ def test_a_merge_waits_for_one_it_would_make_a_cycle_of(profile):
     made the second a cycle (the term reads the batch mean, which the chunk means make), and
     x was read twice (ResNet-50's training step: 17 kernels more under the H200's profile than
     under the H100's, session 53). The first waits: under both profiles the mean and the
-    squared deviations are one kernel, Chan's term joins the sum over the chunks, 6 kernels."""
-    x = torch.randn(128, 128, 28, 28, dtype=torch.bfloat16).contiguous(
+    squared deviations are one kernel, Chan's term joins the sum over the chunks, 6 kernels.
+    On the device the kernels run on: CPU tensors keep ATen's batch norm where no kernel runs
+    (a GPU machine's CPU, decompositions._kernels_run)."""
+    x = torch.randn(128, 128, 28, 28, dtype=torch.bfloat16, device=device).contiguous(
         memory_format=torch.channels_last)
-    w, b = (torch.rand(128) + 0.5).bfloat16(), torch.randn(128).bfloat16()
+    w = (torch.rand(128, device=device) + 0.5).bfloat16()
+    b = torch.randn(128, device=device).bfloat16()
     ctx = analyze(lambda x, w, b: F.relu(F.batch_norm(x, None, None, w, b, training=True)),
                   x, w, b, profile=profile)
     groups = sorted(ops_of(g) for g in ctx.groups)
