@@ -29,21 +29,24 @@ from timing import kernel_times  # noqa: E402
 
 from fusion_compiler.codegen import launch as L  # noqa: E402
 
-# label -> (elements a program, programs an SM, 8 warps at 8192 elements)
-RULES = {"8192/4/w8 (the code's)": (8192, 4, True), "16384/1.5/w4": (16384, 1.5, False),
-         "8192/1.5/w4": (8192, 1.5, False), "16384/4/w4": (16384, 4, False)}
+# label -> (elements a program, programs an SM, 8 warps at 8192 elements for kernels other
+# than a single load's statistics: STRIDED = 2)
+RULES = {"8192/4/w4 (the code's)": (8192, 4, False), "8192/4/w8 (session 53's)": (8192, 4, True),
+         "16384/1.5/w4": (16384, 1.5, False), "8192/1.5/w4": (8192, 1.5, False),
+         "16384/4/w4": (16384, 4, False)}
+CODE = "8192/4/w4 (the code's)"
 _RULE = L.row_settings.__wrapped__
 
 
 def rule(elems, per_sm, w8):
-    def settings(rows, n, max_persistent_block, strided=False):
+    def settings(rows, n, max_persistent_block, strided=0, looped_block=None):
         rblock = L._next_pow2(max(n, 1))
         if not strided or rblock > max_persistent_block:
-            return _RULE(rows, n, max_persistent_block, strided)
+            return _RULE(rows, n, max_persistent_block, strided, looped_block)
         xblock = min(L._next_pow2(rows), max(1, L.ROW_ELEMS // rblock))
         while 2 * xblock * rblock <= elems and -(-rows // (2 * xblock)) >= per_sm * L._sm_count():
             xblock *= 2
-        return xblock, rblock, False, 8 if w8 and xblock * rblock >= 8192 else 4
+        return xblock, rblock, False, 8 if w8 and strided == 2 and xblock * rblock >= 8192 else 4
     return settings
 
 
@@ -52,7 +55,7 @@ def rebind(params) -> int:
     count = 0
     for module in list(sys.modules.values()):
         names = getattr(module, "__dict__", {})
-        if names.get("STRIDED") is True and "row_settings" in names:
+        if names.get("STRIDED") in (1, 2) and "row_settings" in names:
             names["row_settings"] = rule(*params)
             count += 1
     return count
@@ -89,7 +92,7 @@ def training_step(target: str, rounds: int) -> dict:
             print(f"{r} {label:24s} strided modules {modules:3d}  kernels {len(kernels)}  "
                   f"total {total:8.1f} us  " + "  ".join(
                       f"{c} {v:.1f}" for c, v in sorted(cats.items())), flush=True)
-    rebind(RULES["8192/4/w8 (the code's)"])
+    rebind(RULES[CODE])
     return results
 
 

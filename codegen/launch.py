@@ -71,8 +71,9 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: int = 0,
     (statements.strided_rows), so a program's load of a column reads a contiguous run of XBLOCK
     elements: the rows a program takes are doubled while it holds at most ``STRIDED_ELEMS``
     elements and the grid keeps ``STRIDED_PROGRAMS_PER_SM`` programs an SM; 8 warps at 8192
-    elements, 4 where the kernel only reduces one such load (``strided`` 1: outputs of a value
-    a row; 2: any other kernel, statements.strided_kind).
+    elements, 4 for ``strided`` 1 (statements.strided_kind: a kernel that only reduces one
+    such load, or a norm, whose per-element outputs follow the row's reductions), 8 for 2
+    (column sums of several loads, per-element outputs beside a column sum).
     ConvNeXt-T's LayerNorms at batch 32 on the H200 (benchmarks/strided_rows.py,
     do_bench, us; the rule without ``strided`` / this rule / the sweep's best): channels of 96
     46.0 / 29.2 / 28.3, 192 21.8 / 15.9 / 14.0, 384 29.5 / 11.2 / 9.0, 768 9.0 / 9.0 / 9.0.
@@ -82,9 +83,15 @@ def row_settings(rows: int, n: int, max_persistent_block: int, strided: int = 0,
     squared deviations, ``decompositions.var_mean_correction``) at 8192 elements a program, bf16
     [128, 256, 56, 56] on the H100 (scratch/bns/bnstats.py, profiler, session 53): 8 warps
     131.6 us, 4 warps 85.9 (Inductor's 86.5; a hand-written kernel 87.3 at 4 and 128.7 at 8);
-    16384 elements on 8 warps 107.0, on 16 199.2. Kernels of two or three such loads (their
-    backward) ran at 73-95% of the cost model's time on 8 warps and were not timed on 4, nor
-    were ConvNeXt's LayerNorms (a value an element out): they keep 8.
+    16384 elements on 8 warps 107.0, on 16 199.2. The other kernels (session 54, H100,
+    scratch/bns/bnbwd.py, profiler, 8 / 4 warps, us): ConvNeXt-T's LayerNorms over NCHW
+    channels, batch 32, forward: channels of 96 22.0 / 18.8, 192 10.5 / 8.3, 384 6.1 / 6.1;
+    their input's gradient 34.7 / 25.8 and 12.9 / 10.9 (norms: 1). BatchNorm's backward column
+    sums (two and three such loads) at [128, 64, 112, 112] 130.8 / 131.3 and 160.5 / 157.2, at
+    [128, 256, 56, 56] 131.5 / 132.9 and 160.9 / 161.1: the same. GPT-2's and BERT's training
+    steps with every kind on 4 (benchmarks/strided_rules.py --step, two rounds, fused kernels'
+    time): 1872 / 1875 against 1786 / 1803 us, and 1782 / 1777 against 1748 / 1743: their
+    column sums of several loads and their GELU gradients beside a column sum keep 8 (2).
     Kept on whole training steps (benchmarks/strided_rules.py --step, fused
     kernels per step, us; this rule / 8192 at 1.5 programs an SM on 4 warps / 16384 at 1.5 on
     4 / 16384 at 4 on 4): GPT-2 8 x 512 1680 / 1758 / 2331 / 2319, BERT 16 x 256 1642 / 1847 /

@@ -5,6 +5,8 @@ then takes more rows a program), and the value each store writes.
 """
 from __future__ import annotations
 
+import re
+
 import sympy
 import torch
 
@@ -73,14 +75,40 @@ def strided_rows(lk) -> int:
 
 def strided_kind(lk) -> int:
     """The module's ``STRIDED`` for a persistent row kernel (launch.row_settings): 0 where no
-    load reads strided rows (``strided_rows``), 1 where one does and the kernel only reduces
-    it (no per-element store: a channels-last BatchNorm's statistics, a column sum's
-    partials), else 2."""
+    load reads strided rows (``strided_rows``); 1 where one does and the kernel only reduces
+    one such load (no per-element store: a channels-last BatchNorm's statistics, a column
+    sum's partials) or is a norm (every per-element store computed from the kernel's
+    reductions: a LayerNorm over NCHW channels, forward or its input's gradient); else 2 (a
+    column sum of several loads, per-element outputs beside a column sum: GPT-2's GELU
+    gradient and its bias gradient)."""
     loads = strided_rows(lk)
     if not loads:
         return 0
-    per_element = any(st[0] == "store" for ph in lk.phases for st in ph.body)
-    return 1 if loads == 1 and not per_element else 2
+    stores = [st[2] for ph in lk.phases for st in ph.body if st[0] == "store"]
+    if not stores:
+        return 1 if loads == 1 else 2
+    return 1 if all(_reads_a_reduction(lk, v) for v in stores) else 2
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _reads_a_reduction(lk, var) -> bool:
+    """Whether the value ``var`` is computed from a reduction of the kernel (a norm's output
+    from its row's mean and variance), following the assignments back."""
+    reduced = {r[0].name for ph in lk.phases for r in ph.reductions}
+    defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
+            if st[0] == "assign"}
+    seen, todo = set(), [getattr(var, "name", str(var))]
+    while todo:
+        name = todo.pop()
+        if name in reduced:
+            return True
+        if name in seen or name not in defs:
+            continue
+        seen.add(name)
+        todo += _NAME.findall(str(defs[name]))
+    return False
 
 
 def _columns_apart(offset, syms) -> bool:
