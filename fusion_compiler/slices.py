@@ -135,8 +135,12 @@ def _chosen(base, dim, index):
 
 
 def _shares_memory(base) -> bool:
-    """Whether elements of ``base`` overlap in memory (ATen's MemOverlap::Yes: a stride of 0
-    where the size is more than 1, or strides that meet); static sizes and strides only."""
+    """Whether elements of ``base`` overlap in memory (ATen's MemOverlap::Yes): a stride of 0
+    where the size is more than 1 (a symbolic size is: 0 and 1 are specialized), or, with
+    static sizes and strides, strides that meet."""
+    if any(type(st) is int and st == 0 and (type(n) is not int or n > 1)
+           for n, st in zip(base.shape, base.stride())):
+        return True
     return all(type(s) is int for s in (*base.shape, *base.stride())) \
         and torch._debug_has_internal_overlap(base) == 1
 

@@ -337,32 +337,37 @@ def _torch_2_11_scatter_meta(monkeypatch):
         monkeypatch.setattr(meta, "_scatter_meta_output", clone_preserve_strides)
 
 
-# op -> (f(x, s), kernels): x an expanded [5, 7], written into with ``s`` (its first row's part)
+# op -> (f(x), kernels with static sizes, with symbolic sizes): x an expanded [5, 7], written
+# into with its first row's part (symbolic sizes keep the slice's scatter on ATen, and the
+# select's arange: slices.slice_scatter, the core table's select_scatter)
 EXPANDED_SCATTERS = {
-    "slice": (lambda x: torch.slice_scatter(x, x[:, 0:3] * 2, 1, 2, 5), 1),
-    "select": (lambda x: torch.select_scatter(x, x[0] * 2, 0, 3), 1),
-    "diagonal": (lambda x: torch.diagonal_scatter(x, x.diagonal(1) * 2, 1), 2),
-    "as_strided": (lambda x: torch.as_strided_scatter(x, x[0, 1:4] * 2, (3,), (8,), 2), 2),
+    "slice": (lambda x: torch.slice_scatter(x, x[:, 0:3] * 2, 1, 2, 5), 1, 2),
+    "select": (lambda x: torch.select_scatter(x, x[0] * 2, 0, 3), 1, 1),
+    "diagonal": (lambda x: torch.diagonal_scatter(x, x.diagonal(1) * 2, 1), 2, 2),
+    "as_strided": (lambda x: torch.as_strided_scatter(x, x[0, 1:4] * 2, (3,), (8,), 2), 2, 2),
 }
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", list(EXPANDED_SCATTERS))
-def test_a_scatter_into_an_expanded_base_writes_a_copy(op, dtype, device, monkeypatch):
+def test_a_scatter_into_an_expanded_base_writes_a_copy(op, dtype, dynamic, device, monkeypatch):
     """Found by the fuzzer on an H100 (torch 2.11): ``neg(slice_scatter(x, ...))`` of an
     expanded x read the scatter's dense output with the fake's stride of 0 and gave one element
     for all. The scatter now writes into a contiguous clone (slices.into_a_copy); its value and
-    layout are eager's."""
+    layout are eager's; with symbolic sizes too (the expanded dim's stride is still 0)."""
     _torch_2_11_scatter_meta(monkeypatch)
-    scatter, kernels = EXPANDED_SCATTERS[op]
+    scatter, static, symbolic = EXPANDED_SCATTERS[op]
     x = randn((1, 7), dtype, device).expand(5, 7)
 
     def f(x):
         return -scatter(x)
-    out, reports = compile_and_run(f, (x,))
+    out, reports = compile_and_run(f, (x,), dynamic=dynamic)
     expected = f(x)
     assert torch.equal(out, expected), (out, expected)
     assert out.stride() == expected.stride()
-    assert kernel_count(reports) == kernels, [k["ops"] for r in reports for k in r.kernels]
+    assert kernel_count(reports) == (symbolic if dynamic else static), \
+        [k["ops"] for r in reports for k in r.kernels]
     left = leftover_aten(reports)
-    assert set(left) <= {"aten.diagonal.default", f"aten.{op}_scatter.default"}, left
+    assert set(left) <= {"aten.diagonal.default", f"aten.{op}_scatter.default"} \
+        | ({"aten.arange.start_step"} if dynamic else set()), left
