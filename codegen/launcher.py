@@ -194,8 +194,8 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
     persistent row kernel has a HOIST switch, set on small grids; ``strided``: its rows' elements
-    lie apart and consecutive rows side by side, 1 where the kernel reduces one such load to
-    a value a row, else 2 (``row_settings``; the module's ``STRIDED``);
+    lie apart and consecutive rows side by side, its kind 1 or 2 (statements.strided_kind,
+    ``row_settings``; the module's ``STRIDED``);
     ``partials``: the looped kernel's reductions, where its split stages ``split0``... exist
     (few long rows: ``split_settings``); ``reuse``: a row kernel's outputs it may write over
     dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``);

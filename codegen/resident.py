@@ -11,9 +11,7 @@ import re
 
 from . import launch as rules
 from .row_loops import RED_FINAL, RED_INIT, RED_STEP
-from .statements import direct_loads, registers
-
-_TOKEN = re.compile(r"[A-Za-z_]\w*")
+from .statements import NAME, direct_loads, registers, uses
 
 
 class NotHeld(Exception):
@@ -64,7 +62,7 @@ def resident_phases(lk, stmt_lines, n, pad, shifted):
     after = {}
     for st in body:
         if st[0] == "store":
-            src = [made[name] for name in _TOKEN.findall(st[2].name) if name in made]
+            src = [made[name] for name in NAME.findall(st[2].name) if name in made]
             if src:     # after the last statement its value reads
                 after.setdefault(id(body[max(src)]), []).append(st)
     moved = {id(st) for sts in after.values() for st in sts}
@@ -94,17 +92,6 @@ def resident_phases(lk, stmt_lines, n, pad, shifted):
     return lines
 
 
-def _uses(stmt) -> set:
-    """Names a lowered statement other than a store reads (its text's identifiers; loads and
-    asserts: none that matter here, their offsets and tests being indices)."""
-    kind = stmt[0]
-    if kind == "assign":
-        return set(_TOKEN.findall(stmt[2]))
-    if kind == "select":
-        return {v.name for _, v in stmt[2]}
-    return set()
-
-
 def _held_values(lk) -> float:
     """fp32 values an element of a resident kernel's row keeps in registers at its peak, as
     estimated: its first phase's column loads together (a bf16 element is half a register; all
@@ -118,12 +105,12 @@ def _held_values(lk) -> float:
     for i, ph in enumerate(lk.phases):
         for st in ph.body:
             if st[0] != "store":
-                for name in _uses(st):
+                for name in uses(st):
                     last[name] = i
             if st[0] in ("load", "assign", "select"):
                 defined[st[1].name] = i
         for _, _, _, src in ph.reductions:
-            for name in _TOKEN.findall(src.name):
+            for name in NAME.findall(src.name):
                 last[name] = max(last.get(name, i), i)
     live = max((sum(1 for name, i in defined.items() if i <= b < last.get(name, -1))
                 for b in range(len(lk.phases))), default=0)

@@ -87,28 +87,41 @@ def strided_kind(lk) -> int:
     stores = [st[2] for ph in lk.phases for st in ph.body if st[0] == "store"]
     if not stores:
         return 1 if loads == 1 else 2
-    return 1 if all(_reads_a_reduction(lk, v) for v in stores) else 2
+    return 1 if _from_reductions(lk, stores) else 2
 
 
-_NAME = re.compile(r"[A-Za-z_]\w*")
+NAME = re.compile(r"[A-Za-z_]\w*")
 
 
-def _reads_a_reduction(lk, var) -> bool:
-    """Whether the value ``var`` is computed from a reduction of the kernel (a norm's output
-    from its row's mean and variance), following the assignments back."""
+def uses(stmt) -> set:
+    """Names a lowered statement other than a store reads (its text's identifiers; loads and
+    asserts: none that matter here, their offsets and tests being indices)."""
+    kind = stmt[0]
+    if kind == "assign":
+        return set(NAME.findall(stmt[2]))
+    if kind == "select":
+        return {v.name for _, v in stmt[2]}
+    return set()
+
+
+def _from_reductions(lk, values) -> bool:
+    """Whether every one of ``values`` is computed from a reduction of the kernel (a norm's
+    output from its row's mean and variance), following the statements that define them."""
     reduced = {r[0].name for ph in lk.phases for r in ph.reductions}
-    defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
-            if st[0] == "assign"}
-    seen, todo = set(), [getattr(var, "name", str(var))]
-    while todo:
-        name = todo.pop()
-        if name in reduced:
-            return True
-        if name in seen or name not in defs:
-            continue
-        seen.add(name)
-        todo += _NAME.findall(str(defs[name]))
-    return False
+    made = {st[1].name: st for ph in lk.phases for st in ph.outer + ph.body + lk.tail
+            if st[0] in ("assign", "select")}
+
+    def reads(name) -> bool:
+        seen, todo = set(), [name]
+        while todo:
+            name = todo.pop()
+            if name in reduced:
+                return True
+            if name not in seen and name in made:
+                seen.add(name)
+                todo += uses(made[name])
+        return False
+    return all(reads(getattr(v, "name", str(v))) for v in values)
 
 
 def _columns_apart(offset, syms) -> bool:
