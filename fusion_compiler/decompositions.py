@@ -202,14 +202,20 @@ def repeat(x, repeats):
     """``x.repeat(*repeats)`` as a reshape of an expand: along each dimension element i is x's
     element i % size, index arithmetic in the kernel that reads it, where ATen's repeat is a
     copy kernel of its own (InstanceNorm repeats its weight and bias for each sample). Fewer
-    repeats than dims and empty results keep ATen's op (its error, its empty tensor)."""
+    repeats than dims and empty results keep ATen's op (its error, its empty tensor).
+
+    The result is a new contiguous tensor, as ATen's: a copy of the expand, then a view. A
+    reshape alone returns a view where the repeated dims merge (repeats of 1, or of a size-1
+    dim), with the input's strides (WavLM views its repeated position bias, a permuted tensor,
+    and that view failed) and aliasing the input."""
     repeats = list(repeats)
     if len(repeats) < x.dim() or any(isinstance(r, int) and r == 0 for r in repeats):
         return NotImplemented
     shape = [1] * (len(repeats) - x.dim()) + list(x.shape)
     tiled = x.reshape([v for s in shape for v in (1, s)])
     tiled = tiled.expand([v for r, s in zip(repeats, shape) for v in (r, s)])
-    return tiled.reshape([r * s for r, s in zip(repeats, shape)])
+    tiled = aten.clone(tiled, memory_format=torch.contiguous_format)
+    return tiled.view([r * s for r, s in zip(repeats, shape)])
 
 
 def native_group_norm(x, weight, bias, n, c, hxw, groups, eps):

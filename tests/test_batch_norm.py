@@ -252,6 +252,35 @@ def test_repeat_is_read_by_index(dtype, device):
     assert_close(out, f(x, y), dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_repeat_is_a_new_contiguous_tensor(dtype, device):
+    """``repeat`` returns a new contiguous tensor, as ATen's, also where its repeats leave the
+    input's elements in place (a reshape alone would return a view with the input's strides):
+    WavLM views its repeated position bias, a permuted tensor, and that view failed. A write
+    into the result leaves the input as it was."""
+    p = randn((5, 7, 4), dtype, device)
+    f = lambda p: p.permute(2, 0, 1).unsqueeze(0).repeat(3, 1, 1, 1).view(12, 5, 7) * 2  # noqa: E731
+    out, reports = compile_and_run(f, (p,))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(p), dtype=dtype)
+
+    x = randn((6, 9), dtype, device)
+    out, reports = compile_and_run(lambda x: x.t().repeat(1, 1), (x,))
+    assert kernel_count(reports) == 1
+    assert out.stride() == (6, 1) and out.data_ptr() != x.data_ptr()
+    assert torch.equal(out, x.t())
+
+    def written(x):
+        y = x.repeat(1, 1)
+        y.add_(1)
+        return y * 2
+
+    before = x.clone()
+    out, reports = compile_and_run(written, (x,))
+    assert torch.equal(x, before)
+    assert_close(out, written(before.clone()), dtype=dtype)
+
+
 def test_cpu_without_the_interpreter_keeps_atens_batch_norm(monkeypatch):
     """No kernel runs on the CPU without Triton's interpreter: ATen's own batch norm stays,
     rather than its decomposition run op by op."""
