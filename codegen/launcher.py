@@ -249,8 +249,10 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         size = f"({''.join(py_expr(s) + ', ' for s in v.shape)})"
         stride = f"({''.join(py_expr(s) + ', ' for s in v.stride)})"
         over = ""
-        if p in reuse:      # the input itself, or a view of it at the output's shape
-            over = f"r{p}.view({size})" if reuse[p][1] else f"r{p}"
+        if p in reuse:      # the input's memory at the output's shape (launch.reinterpret)
+            over = f"reinterpret(r{p}, {size}, {stride}, 0)"
+            if not reuse[p][1]:     # the input itself, unless autograd sees it as a view
+                over = f"(r{p} if r{p}._base is None else {over})"
             over += f" if r{p} is not None{persistent_only} else "
         fast.append(f"        out{p} = {over}empty_cuda({size}, {stride}, {v.dtype})")
         slow.append(f"        out{p} = {over}torch.empty_strided({size}, {stride}, "

@@ -155,7 +155,8 @@ import triton.language as tl
 from fusion_compiler.codegen import triton_lib as fl
 from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cuda, first_launch,
                                             few_programs, launch_static, pointwise_settings,
-                                            raw_stream, row_settings, split_settings)
+                                            raw_stream, reinterpret, row_settings,
+                                            split_settings)
 """
 
 

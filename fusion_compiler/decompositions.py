@@ -273,10 +273,14 @@ def _table() -> dict:
     # gradient stays ATen's embedding_dense_backward too: the core decomposition makes it an
     # index_put with accumulation, whose sort-based CUDA kernel serializes on repeated indices
     # (BERT's token types, all 0: 2755 us for the three embeddings of a 16 x 256 training step
-    # on the H200, session 26), where ATen's embedding kernel reduces each index's segment
+    # on the H200, session 26), where ATen's embedding kernel reduces each index's segment.
+    # ``_unsafe_view`` stays itself (the core table makes it a ``view``): its result is no view
+    # to autograd, and a graph output made by it (a matmul's of a 3-d input) must not become
+    # one, or an in-place write into it after the graph fails (fast_calls keeps it there)
     table = {op: fn for op, fn in _core().items()
              if "scaled_dot_product" not in str(op) and op.overloadpacket is not aten.baddbmm
-             and op.overloadpacket is not aten.embedding_dense_backward}
+             and op.overloadpacket is not aten.embedding_dense_backward
+             and op is not aten._unsafe_view.default}
     table.update(get_decompositions(_ops(_EXTRA)))
     table[aten.var_mean.correction] = var_mean_correction
     table[aten.var.correction] = var_correction
