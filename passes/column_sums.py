@@ -55,7 +55,7 @@ def _leading(node):
         return None
     dims = sorted(d % x.dim() for d in ([dims] if isinstance(dims, int) else dims))
     k = len(dims)
-    if dims != list(range(k)) or k == x.dim():
+    if dims != list(range(k)) or k in (0, x.dim()):     # an empty list sums every dim
         return None
     why = None
     if not all(isinstance(s, int) for s in (*x.shape, *x.stride())):
@@ -79,6 +79,33 @@ def why_left(node, enabled: bool):
     return f"sum or mean over leading dims: {found[2] or 'not rewritten'}"
 
 
+def _one_row(x, k: int) -> bool:
+    """Whether the first ``k`` dims of ``x`` are static and all of size 1."""
+    return all(isinstance(d, int) and d == 1 for d in x.shape[:k])
+
+
+def _as_copy(gm, node, x, k: int) -> None:
+    """Sum (or mean) ``node`` over ``x``'s first ``k`` dims, all of size 1, made the copy it
+    is: ``x + 0.0`` (ATen's sum adds to a zero, so -0.0 sums to +0.0; any other value, NaN
+    included, is itself), contiguous as the sum's output, at its shape. A pointwise op that
+    joins its producer's kernel, where the sum stayed on ATen (a fuzzer's find:
+    ``x.sum(0, keepdim=True)`` of a [1, 3] input)."""
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    mode, rest = x.fake_mode, list(x.shape[k:])
+    with gm.graph.inserting_before(node):
+        t = emit(gm, aten.squeeze.dims, (node.args[0], list(range(k))), mode)
+        t = emit(gm, aten.add.Tensor, (t, 0.0), mode)
+        copy = gm.graph.call_function(aten.clone.default, (t,),
+                                      {"memory_format": torch.contiguous_format})
+        with mode:
+            copy.meta["val"] = aten.clone.default(_val(t), memory_format=torch.contiguous_format)
+        if keepdim:
+            copy = emit(gm, aten.view.default, (copy, [1] * k + rest), mode)
+    copy.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+    node.replace_all_uses_with(copy)
+    gm.graph.erase_node(node)
+
+
 def _in_fp32(node, rows, mode) -> None:
     """Make sum ``node`` of ``rows`` keep its result in fp32: sum(..., dtype=fp32) as a
     kernel."""
@@ -94,6 +121,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         found = _leading(node)
+        if found is not None and _one_row(found[0], found[1]):
+            _as_copy(gm, node, found[0], found[1])
+            done += 1
+            continue
         if found is None or found[2] is not None:
             continue
         x, k, _ = found

@@ -50,6 +50,31 @@ def test_a_column_sum_fuses_with_its_producer(dtype, rows, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_sum_over_leading_dims_of_size_1_is_a_copy(dtype, device):
+    """Sums and means over leading dims that are all of size 1 (a batch of one; a fuzzer's
+    find, ``x.sum(0, keepdim=True)`` of a [1, 3] input, stayed on ATen): each is its input
+    plus 0.0, in the kernel of what computes it, contiguous as ATen's result, its -0.0 summed to
+    +0.0 as ATen's. Bit-equal to eager, signs of zeros included, keepdim or not, from a
+    transposed input too."""
+    x = randn((1, 1, 7, 5), dtype, device).transpose(-1, -2)
+    x[0, 0, 0, 0] = -0.0
+    for f in (lambda x: (x * 2).sum([0, 1]), lambda x: (x * 2).mean(0, keepdim=True),
+              lambda x: x.sum([1, 0], keepdim=True), lambda x: x.mean([0, 1])):
+        out, reports = compile_and_run(f, (x,))
+        expected = f(x)
+        assert leftover_aten(reports) == [] and kernel_count(reports) == 1
+        assert torch.equal(out, expected)
+        assert torch.equal(out.signbit(), expected.signbit())
+        assert out.stride() == expected.stride() == out.contiguous().stride()
+    # an empty dim list sums every dim: no copy (a first form of the rewrite took it for one);
+    # the kernel computes the product, ATen's sum adds it up
+    out, reports = compile_and_run(lambda x: (x * 2).sum([]), (x,))
+    assert out.shape == () and kernel_count(reports) == 1
+    assert leftover_aten(reports) == ["aten.sum.dim_IntList"]
+    assert_close(out, (x * 2).sum([]), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sums_over_two_leading_dims_with_keepdim(dtype, device):
     """A norm's weight gradient: sum(g * xhat, [0, 1]) over [B, T, C], and sum(g, [0, 1],
     keepdim=True): one kernel for both partial sums, one for both totals (siblings after one
