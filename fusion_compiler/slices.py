@@ -92,11 +92,31 @@ def slice_backward(grad, input_sizes, dim, start, end, step):
     return spread(grad, dim, step, start, input_sizes[dim])
 
 
+def _dense_order(t) -> list | None:
+    """The permutation of ``t``'s dims, outermost first in memory, that makes it contiguous,
+    or None where none does (gaps, overlaps, symbolic strides)."""
+    if not all(type(v) is int for v in (*t.shape, *t.stride())):
+        return None
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))     # stable: ties keep order
+    return order if t.permute(order).is_contiguous() else None
+
+
 def slice_scatter(base, src, dim=0, start=None, end=None, step=1):
     """``base`` with ``src`` in its ``[start:end:step]`` along ``dim``, a new tensor (module
-    docstring)."""
-    if base.dim() == 0 or src.dtype != base.dtype or not base.is_contiguous():
+    docstring). A base whose dims are permuted in memory (Funnel's relative shift writes into
+    one with its batch and head dims swapped) is scattered in the order that makes it
+    contiguous, and the result permuted back: base's strides, as ATen's result has."""
+    if base.dim() == 0 or src.dtype != base.dtype:
         return NotImplemented
+    if not base.is_contiguous():
+        order = _dense_order(base)
+        if order is None or src.dim() != base.dim():
+            return NotImplemented
+        out = slice_scatter(base.permute(order), src.permute(order), order.index(dim % base.dim()),
+                            start, end, step)
+        if out is NotImplemented:
+            return out
+        return out.permute(sorted(range(base.dim()), key=order.__getitem__))
     dim %= base.dim()
     bounds = _bounds(base.shape[dim], start, end, step)
     if bounds is None or not all(type(s) is int for s in base.shape):

@@ -48,13 +48,14 @@ def test_decompositions_are_atens_ops(case):
 
 
 def test_refusals_keep_atens_ops():
-    """Different dtypes, a strided base, or sizes that do not match the slice: NotImplemented
-    (traced as the op it is, ATen's checks and errors)."""
+    """Different dtypes, a base with gaps (a permuted one is scattered: below), or sizes that
+    do not match the slice: NotImplemented (traced as the op it is, ATen's checks and
+    errors)."""
     base = randn((4, 6), torch.float32, "cpu")
     assert slices.slice_scatter(base, randn((4, 3), torch.float16, "cpu"), 1, 0, 3) \
         is NotImplemented
-    assert slices.slice_scatter(base.t(), randn((3, 4), torch.float32, "cpu"), 0, 0, 3) \
-        is NotImplemented
+    assert slices.slice_scatter(randn((6, 8), torch.float32, "cpu")[:, ::2],
+                                randn((3, 4), torch.float32, "cpu"), 0, 0, 3) is NotImplemented
     assert slices.slice_scatter(base, randn((4, 2), torch.float32, "cpu"), 1, 0, 3) \
         is NotImplemented
     assert slices.slice_backward(randn((4, 2), torch.float32, "cpu"), [4, 6], 1, 0, 3, 1) \
@@ -152,6 +153,30 @@ def test_full_is_a_constant_of_its_reader(dtype, device):
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert torch.equal(out, f(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_slice_scatter_into_a_permuted_base(dtype, device):
+    """A base whose dims are permuted in memory (Funnel's relative shift writes into one with
+    its batch and head dims swapped) is scattered in its memory order and permuted back: one
+    kernel with its producers, bit-equal to eager, with eager's strides (the base's). A base
+    with gaps (a view into a larger one) stays ATen's."""
+    b = randn((4, 2, 13, 25), dtype, device).permute(1, 0, 2, 3)
+    s = randn((2, 4, 13, 13), dtype, device)
+    cases = [(lambda b, s: torch.slice_scatter(b * 2, s * 3, 3, 0, 13), (b, s)),
+             (lambda b, s: torch.slice_scatter(b * 2, s[..., :6] * 3, 3, 1, 13, 2), (b, s)),
+             (lambda b, s: torch.slice_scatter(b + 1, s, 2, 8, None),
+              (b.transpose(2, 3).contiguous().transpose(2, 3), randn((2, 4, 5, 25), dtype,
+                                                                     device)))]
+    for f, args in cases:
+        out, reports = compile_and_run(f, args)
+        expected = f(*args)
+        assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+        assert torch.equal(out, expected) and out.stride() == expected.stride()
+    gapped = randn((2, 4, 13, 26), dtype, device)[..., 1:]
+    out, reports = compile_and_run(lambda b, s: torch.slice_scatter(b, s, 3, 0, 13), (gapped, s))
+    assert leftover_aten(reports) == ["aten.slice_scatter.default"]
+    assert torch.equal(out, torch.slice_scatter(gapped, s, 3, 0, 13))
 
 
 def test_full_only_aten_reads_is_not_a_kernel(device):
