@@ -268,15 +268,23 @@ def print_expr(e) -> str:
         shift = _lifted(num, den)
         if shift:
             return f"({print_expr(num + shift * den)} // {print_expr(den)} - {shift})"
+        if isinstance(e, FloorDiv) and _signed(num, den):
+            return _floor_div(print_expr(num), print_expr(den))
         return f"({print_expr(num)} // {print_expr(den)})"
     if isinstance(e, ModularIndexing):
         base, div, mod = e.args
         base += _lifted(base, div * mod) * div * mod
+        if _signed(base, div * mod):
+            inner = print_expr(base) if div == 1 else _floor_div(print_expr(base), print_expr(div))
+            return _floor_mod(inner, print_expr(mod))
         inner = print_expr(base) if div == 1 else f"({print_expr(base)} // {print_expr(div)})"
         return f"({inner} % {print_expr(mod)})"
     if isinstance(e, (Mod, PythonMod, sympy.Mod)):
         num, den = e.args
-        return f"({print_expr(num + _lifted(num, den) * den)} % {print_expr(den)})"
+        num += _lifted(num, den) * den
+        if _signed(num, den):
+            return _floor_mod(print_expr(num), print_expr(den))
+        return f"({print_expr(num)} % {print_expr(den)})"
     if isinstance(e, (Max, sympy.Max)):
         return _fold("max", e.args)
     if isinstance(e, (Min, sympy.Min)):
@@ -291,8 +299,9 @@ def print_expr(e) -> str:
 def _lifted(num, den) -> int:
     """How many ``den`` to add to ``num`` (``a + c``, a sum of index terms that are never
     negative, and a negative constant ``c``) so that it is never negative: 0 where it cannot be
-    (or need not be) done. Triton's ``//`` and ``%`` on integers truncate toward zero, as C's,
-    where Python's (and Triton's interpreter's) floor; and Triton's axis analysis claims
+    (or need not be) done. Triton's ``//`` and ``%`` on integers truncate toward zero, as C's
+    (on the GPU and in Triton 3.9's interpreter), where Python's floor; and Triton's axis
+    analysis claims
     constancy for ``//`` that a negative numerator breaks (triton-lang/triton#7749, the
     reason Inductor prints such a division another way). A numerator that is never negative
     takes both out: ``(a - 1) // 2`` is printed ``(a + 1) // 2 - 1``, the same number
@@ -303,6 +312,29 @@ def _lifted(num, den) -> int:
     if not (c.is_Integer and c < 0 and rest != 0 and _never_negative(rest)):
         return 0
     return -(int(c) // int(den))        # ceil(-c / den)
+
+
+def _signed(num, den) -> bool:
+    """Whether ``num`` may be negative (after ``_lifted``) where ``den`` is positive: then C's
+    truncating ``//`` and ``%`` (Triton's, on the GPU and in its interpreter) and the floor
+    division sympy's index means differ, and the division is printed in a form exact under
+    both (``_floor_div``). A flip's index ``9 - x`` divided by a slice's step 3 is ``3 +
+    (-x) // 3`` after sympy; printed as it is, a flipped slice's gradient with a step read
+    the wrong elements, and past the end (a fuzzer's find)."""
+    den = sympy.sympify(den)
+    return bool(den.is_positive) and not _never_negative(sympy.sympify(num))
+
+
+def _floor_mod(n: str, d: str) -> str:
+    """``n mod d`` rounded toward minus infinity, for d > 0, under floor or truncating ``%``:
+    ``n % d`` lies in (-d, d) either way, ``+ d`` makes it positive."""
+    return f"((({n} % {d}) + {d}) % {d})"
+
+
+def _floor_div(n: str, d: str) -> str:
+    """``floor(n / d)`` for d > 0 under floor or truncating ``//``: n less its floor remainder
+    is a multiple of d, which both divide exactly."""
+    return f"(({n} - {_floor_mod(n, d)}) // {d})"
 
 
 def _never_negative(e) -> bool:

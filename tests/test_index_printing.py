@@ -58,6 +58,25 @@ def test_negative_numerators_are_lifted():
             want = int(e.subs(cols, v))
             assert _evaluate(text, {"cols": v}, False) == want, (e, text, v)
             assert _evaluate(text, {"cols": v}, True) == want, (e, text, v)
-    # a numerator that may be negative otherwise is printed as it is
-    assert print_expr(FloorDiv(loaded - 1, 2)) == "((-1 + x7) // 2)"
+    # a numerator never negative is printed as it is
     assert print_expr(FloorDiv(cols + 3, 2)) == "((3 + cols) // 2)"
+
+
+def test_numerators_that_may_be_negative_divide_the_same_either_way():
+    """A numerator that may be negative and cannot be lifted (a loaded index; a flip's
+    ``9 - x``, which sympy makes ``3 + (-x) // 3``) is divided in a form exact under floor and
+    truncating division alike. Printed as it was, a flipped slice's gradient with a step read
+    the wrong elements, and past the end (a fuzzer's find, test_slices)."""
+    cols = sympy.Symbol("cols", integer=True, nonnegative=True)
+    loaded = sympy.Symbol("x7", integer=True)
+    cases = [FloorDiv(loaded - 1, 2), FloorDiv(9 - cols, 3), FloorDiv(-cols, 3),
+             sympy.Mod(9 - cols, 3), ModularIndexing(40 - 3 * cols, 2, 5),
+             FloorDiv(loaded, 7) + sympy.Mod(loaded, 7)]
+    assert print_expr(FloorDiv(-cols, 3)) != "((-1 * cols) // 3)"
+    for e in cases:
+        text = print_expr(e)
+        for v in range(-60, 60):
+            point = {"cols": abs(v), "x7": v}
+            want = int(e.subs({cols: abs(v), loaded: v}))
+            assert _evaluate(text, point, False) == want, (e, text, v)
+            assert _evaluate(text, point, True) == want, (e, text, v)
