@@ -159,6 +159,16 @@ def convnext_tiny_32(device="cpu", dtype=torch.bfloat16):
                  _pixels(32, 224 if not TINY else 32), device, dtype)
 
 
+def convnext_tiny_64_train(device="cpu", dtype=torch.bfloat16):
+    """``convnext_tiny_32`` in train mode at batch 64, for ``bench --mode training``: the
+    LayerNorms over NCHW channels (the downsampling layers') and over channels-last rows, and
+    their backward sums, in a step whose GPU work outlasts the host's."""
+    model, _ = convnext_tiny_32(device, dtype)
+    size = 224 if not TINY else 32
+    return model.train(), (torch.randn(64 if not TINY else 4, 3, size, size, device=device,
+                                       dtype=dtype),)
+
+
 def resnet50_32(device="cpu", dtype=torch.bfloat16):
     """ResNet-50 at 224, batch 32: bottleneck blocks, BatchNorm (statistics of the batch in
     training), ReLU, residual adds."""
