@@ -301,11 +301,11 @@ def _lifted(num, den) -> int:
     negative, and a negative constant ``c``) so that it is never negative: 0 where it cannot be
     (or need not be) done. Triton's ``//`` and ``%`` on integers truncate toward zero, as C's
     (on the GPU and in Triton 3.9's interpreter), where Python's floor; and Triton's axis
-    analysis claims
-    constancy for ``//`` that a negative numerator breaks (triton-lang/triton#7749, the
-    reason Inductor prints such a division another way). A numerator that is never negative
-    takes both out: ``(a - 1) // 2`` is printed ``(a + 1) // 2 - 1``, the same number
-    everywhere, a masked lane included."""
+    analysis claims constancy for ``//`` that a negative numerator breaks
+    (triton-lang/triton#7749, the reason Inductor prints such a division another way). Where
+    this cannot lift a numerator that may be negative, ``_floor_div`` prints it. A numerator
+    that is never negative takes both out: ``(a - 1) // 2`` is printed ``(a + 1) // 2 - 1``,
+    the same number everywhere, a masked lane included."""
     if not (isinstance(den, sympy.Integer) and den > 0):
         return 0
     c, rest = sympy.sympify(num).as_coeff_Add()
