@@ -159,6 +159,27 @@ def test_a_gather_of_the_indices_joins_the_kernel(dtype, device):
     assert_close(out, bert_token_types(*args), dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["gather", "index_select"])
+def test_a_gather_into_a_cat_reads_each_part_only_where_the_index_names_it(op, dtype, device):
+    """``cat([x, x * 2])`` read at a loaded index: each part's load is guarded by the part's
+    range and the index's (a GPU fuzzer's find: the two loads had no mask, so each part was read
+    at every index, 41 elements before its memory and past its end, an illegal address on the
+    GPU). One kernel; values as eager's; every load at a loaded index is masked."""
+    x = torch.randn(41, device=device, dtype=dtype)
+    idx = torch.randint(0, 82, (57,), device=device)
+
+    def f(x, idx):
+        both = torch.cat([x, x * 2])
+        return torch.gather(both, 0, idx) if op == "gather" else both.index_select(0, idx)
+    out, reports = compile_and_run(f, (x, idx))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, f(x, idx), dtype=dtype)
+    source = open(reports[0].kernels[0]["path"]).read()
+    loads = [line for line in source.splitlines() if "tl.load(in0" in line]
+    assert len(loads) == 2 and all("mask=" in line for line in loads), loads
+
+
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_gather_along_any_dim_of_a_computed_source(dim, device):
     """The source is computed at the gathered positions (no intermediate); along the last dim
