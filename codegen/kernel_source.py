@@ -136,13 +136,17 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         off = idx(offset)
         conv = "" if ops.reg_dtype(var.dtype) == ops.TL_DTYPE.get(var.dtype) else f".to({ops.reg_dtype(var.dtype)})"
         used = off.free_symbols & vec
-        pred_syms = set().union(*(idx(p).free_symbols for p in pred_set)) & vec if pred_set else set()
+        pred_free = set().union(*(idx(p).free_symbols for p in pred_set)) if pred_set else set()
+        pred_syms = pred_free & vec
         if not used and not pred_syms and (not pred_set or condition(pred_set) is True):
             return [f"{var.name} = tl.load(in{in_id} + {print_expr(off)}){conv}"]
         # predicates of loaded values alone (a gather into a cat: which part the index names,
         # and that it lies in range) still guard the load: unmasked, each part was read at
-        # every index, before and past its own memory (an illegal address on the GPU)
-        pad = "".join(f" + 0 * {s.name}" for s in sorted(pred_syms - used, key=str))
+        # every index, before and past its own memory (an illegal address on the GPU). The
+        # address takes the shape of every symbol its mask tests (a block mask needs a block
+        # of pointers: an expanded source's address, stride 0, names no loaded index)
+        pad = "".join(f" + 0 * {s.name}"
+                      for s in sorted(pred_free - off.free_symbols, key=str))
         m = mask_of(used | pred_syms, pred_set)
         # fp8 has no literal for `other`: masked lanes are undefined there, and never used
         other = "" if var.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ", other=0"

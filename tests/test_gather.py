@@ -161,12 +161,15 @@ def test_a_gather_of_the_indices_joins_the_kernel(dtype, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["gather", "index_select"])
-def test_a_gather_into_a_cat_reads_each_part_only_where_the_index_names_it(op, dtype, device):
+@pytest.mark.parametrize("expanded", [False, True], ids=["dense", "expanded"])
+def test_a_gather_into_a_cat_reads_each_part_only_where_the_index_names_it(op, expanded, dtype,
+                                                                           device):
     """``cat([x, x * 2])`` read at a loaded index: each part's load is guarded by the part's
     range and the index's (a GPU fuzzer's find: the two loads had no mask, so each part was read
     at every index, 41 elements before its memory and past its end, an illegal address on the
-    GPU). One kernel; values as eager's; every load at a loaded index is masked."""
-    x = torch.randn(41, device=device, dtype=dtype)
+    GPU). One kernel; values as eager's; every load at a loaded index is masked. An expanded
+    source (stride 0: its address names no index) takes a block of addresses for its mask."""
+    x = torch.randn(1 if expanded else 41, device=device, dtype=dtype).expand(41)
     idx = torch.randint(0, 82, (57,), device=device)
 
     def f(x, idx):
