@@ -182,13 +182,7 @@ def training(name) -> str:
     with fusion_compiler.capture_compiles() as reports:
         out = as_tuple(torch.compile(module, backend="fusion")(*args))
         tz.loss(out).backward()
-    for i, (a, e) in enumerate(zip(out, expected)):
-        assert_close(a, e, dtype=torch.float32, name=f"output {i}")
-    scale = max(g.abs().max().item() for g in want.values())
-    got = dict(module.named_parameters())
-    for k, g in want.items():
-        assert got[k].grad is not None, f"{k}: no gradient"
-        assert_close(got[k].grad, g, atol=1e-3 * scale, rtol=1e-4, name=f"grad of {k}")
+    tz.assert_step_matches(module, out, expected, want)
     return (f"ok kinds {[r.kind for r in reports]} kernels "
             f"{sum(r.num_kernels for r in reports)} "
             f"errs {[r.error for r in reports if r.error]} "

@@ -311,6 +311,12 @@ def test_training_step_matches_eager(name):
     writes = [w for r in reports for w in r.summary["input_writes"]]
     assert len(writes) == INPUT_WRITES.get(name, 0), writes
     assert "aten.copy_.default" not in [op for r in reports for op in r.aten_ops]
+    assert_step_matches(module, out, expected, want)
+
+
+def assert_step_matches(module, out, expected, want):
+    """A training step's fp32 outputs against eager's, and each parameter's gradient against
+    ``want`` (eager's) within a thousandth of the largest (benchmarks/zoo_sweep.py too)."""
     for i, (a, e) in enumerate(zip(out, expected)):
         assert_close(a, e, dtype=torch.float32, name=f"output {i}")
     scale = max(g.abs().max().item() for g in want.values())
