@@ -92,7 +92,7 @@ def slice_backward(grad, input_sizes, dim, start, end, step):
     return spread(grad, dim, step, start, input_sizes[dim])
 
 
-def _dense_order(t) -> list | None:
+def dense_order(t) -> list | None:
     """The permutation of ``t``'s dims, outermost first in memory, that makes it contiguous,
     or None where none does (gaps, overlaps, symbolic strides)."""
     if not all(type(v) is int for v in (*t.shape, *t.stride())):
@@ -109,7 +109,7 @@ def slice_scatter(base, src, dim=0, start=None, end=None, step=1):
     if base.dim() == 0 or src.dtype != base.dtype:
         return NotImplemented
     if not base.is_contiguous():
-        order = _dense_order(base)
+        order = dense_order(base)
         if order is None or src.dim() != base.dim():
             return NotImplemented
         out = slice_scatter(base.permute(order), src.permute(order), order.index(dim % base.dim()),

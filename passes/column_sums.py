@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..decompositions import splits
+from ..slices import dense_order
 from .pad_gemm import _val, emit
 
 aten = torch.ops.aten
@@ -68,8 +69,13 @@ def _leading(node):
 
 
 def why_left(node, enabled: bool):
-    """Why a sum over leading dimensions still in the graph was not rewritten (dump's reason
+    """Why a sum over leading dimensions or a full reduction still in the graph was not rewritten (dump's reason
     for an op left on ATen), or None where ``node`` is no such sum."""
+    full = _full(node)
+    if full is not None:
+        if not enabled:
+            return "full reduction: column sums are off (FUSION_COMPILER_COLUMN_SUMS=0)"
+        return f"full reduction: {full[1] or 'not rewritten'}"
     found = _leading(node)
     if found is None:
         return None
@@ -77,6 +83,62 @@ def why_left(node, enabled: bool):
         return ("sum or mean over leading dims: column sums are off "
                 "(FUSION_COMPILER_COLUMN_SUMS=0)")
     return f"sum or mean over leading dims: {found[2] or 'not rewritten'}"
+
+
+# full reductions -> the op that reduces the flat view's last dim
+FULL = {aten.sum.dim_IntList: aten.sum.dim_IntList, aten.sum.default: aten.sum.dim_IntList,
+        aten.mean.dim: aten.mean.dim, aten.mean.default: aten.mean.dim,
+        aten.amax.default: aten.amax.default, aten.amin.default: aten.amin.default}
+
+
+def _full(node):
+    """(x, why) where ``node`` reduces a float tensor ``x`` (not fp64, no ``dtype=``) over
+    every dim (an empty dim list, or all of them; a 1-d input only by an empty list: over its
+    one dim it is a row already): a loss's ``sum()``, a per-tensor ``amax``. ``why`` is None
+    where the rewrite applies (static sizes, at least two elements, memory without gaps or
+    overlaps), else why not; None where ``node`` is no such reduction."""
+    if node.op != "call_function" or node.target not in FULL or node.kwargs.get("dtype"):
+        return None
+    x = _val(node.args[0])
+    if x is None or x.dim() == 0 or not x.dtype.is_floating_point or x.dtype == torch.float64:
+        return None
+    if node.target in (aten.sum.default, aten.mean.default):
+        if len(node.args) > 1:
+            return None
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        if dims and (x.dim() == 1 or sorted(d % x.dim() for d in dims) != list(range(x.dim()))):
+            return None
+    why = None
+    if not all(type(v) is int for v in (*x.shape, *x.stride())):
+        why = "symbolic sizes (dynamic shapes)"
+    elif math.prod(x.shape) < 2:
+        why = "a single element"
+    elif dense_order(x) is None:
+        why = "its input has gaps or overlaps in memory (a strided slice, an expand): no flat view"
+    return x, why
+
+
+def _flatten(gm, node, x) -> None:
+    """Full reduction ``node`` of ``x`` made one over the last dim of ``x`` viewed as one row in
+    memory order (any order reduces the same elements): a row kernel with its producers, split
+    across programs where the row is long (launch.split_settings), where it stayed on ATen
+    ("reduction not over the last dimension")."""
+    order = dense_order(x)
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    mode = x.fake_mode
+    with gm.graph.inserting_before(node):
+        t = node.args[0]
+        if order != list(range(x.dim())):
+            t = emit(gm, aten.permute.default, (t, order), mode)
+        t = emit(gm, aten.view.default, (t, [math.prod(x.shape)]), mode)
+        out = emit(gm, FULL[node.target], (t, [-1]), mode)
+        if keepdim:
+            out = emit(gm, aten.view.default, (out, [1] * x.dim()), mode)
+    out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
 
 
 def _one_row(x, k: int) -> bool:
@@ -120,6 +182,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         return 0
     done = 0
     for node in list(gm.graph.nodes):
+        full = _full(node)
+        if full is not None:
+            if full[1] is None:
+                _flatten(gm, node, full[0])
+                done += 1
+            continue
         found = _leading(node)
         if found is not None and _one_row(found[0], found[1]):
             _as_copy(gm, node, found[0], found[1])

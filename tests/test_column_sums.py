@@ -66,12 +66,61 @@ def test_a_sum_over_leading_dims_of_size_1_is_a_copy(dtype, device):
         assert torch.equal(out, expected)
         assert torch.equal(out.signbit(), expected.signbit())
         assert out.stride() == expected.stride() == out.contiguous().stride()
-    # an empty dim list sums every dim: no copy (a first form of the rewrite took it for one);
-    # the kernel computes the product, ATen's sum adds it up
+    # an empty dim list sums every dim: no copy (a first form of the rewrite took it for one)
+    # but a full reduction, the product summed in its kernel
     out, reports = compile_and_run(lambda x: (x * 2).sum([]), (x,))
-    assert out.shape == () and kernel_count(reports) == 1
-    assert leftover_aten(reports) == ["aten.sum.dim_IntList"]
+    assert out.shape == () and kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert_close(out, (x * 2).sum([]), dtype=dtype)
+
+
+FULL_REDUCTIONS = [
+    ("sum()", lambda x: x.sum()), ("mean()", lambda x: x.mean()),
+    ("amax()", lambda x: x.amax()), ("amin(keepdim)", lambda x: x.amin(list(range(x.dim())), True)),
+    ("sum(all dims, keepdim)", lambda x: x.sum(list(range(x.dim()))[::-1], keepdim=True)),
+    ("mean(all dims)", lambda x: x.mean(list(range(-x.dim(), 0)))),
+]
+FULL_INPUTS = {
+    "1-d": lambda dtype, device: randn((37,), dtype, device),
+    "2-d": lambda dtype, device: randn((5, 13), dtype, device),
+    "transposed": lambda dtype, device: randn((3, 7, 9), dtype, device).transpose(0, 2),
+    "split": lambda dtype, device: randn((3, 7001), dtype, device),     # 2 chunks of a row
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", list(FULL_INPUTS))
+def test_a_full_reduction_is_a_row_kernel_with_its_producer(dtype, shape, device):
+    """A reduction over every dim (a loss's ``sum()``, a per-tensor ``amax``) reduces its input
+    viewed as one row in memory order, in the kernel that computes the input: one kernel, no
+    ATen, each dtype within its tolerance of eager; an odd row of 21003 splits into chunks."""
+    x, y = FULL_INPUTS[shape](dtype, device), FULL_INPUTS[shape](dtype, device)
+    for name, red in FULL_REDUCTIONS:
+        def f(x, y):
+            return red(x * torch.sigmoid(y))
+        out, reports = compile_and_run(f, (x, y))
+        expected = f(x, y)
+        assert leftover_aten(reports) == [] and kernel_count(reports) == 1, name
+        assert "aten.sigmoid.default" in fused_ops(reports), name
+        assert out.shape == expected.shape and out.dtype == expected.dtype, name
+        assert_close(out, expected, dtype=dtype, name=f"{shape} {name}")
+
+
+def test_full_reductions_keep_nan_and_leave_gapped_inputs_on_aten(device):
+    """amax and sum of a row with a NaN give NaN, as eager's; an input with gaps in its memory
+    (a slice of every other column) stays on ATen, a dtype argument too, with their reasons."""
+    x = randn((6, 50), torch.float32, device)
+    x[4, 17] = float("nan")
+    for red in (lambda x: (x * 2).amax(), lambda x: (x * 2).sum(), lambda x: (x * 2).amin()):
+        out, reports = compile_and_run(red, (x,))
+        assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+        assert out.isnan().item() and red(x).isnan().item()
+    cases = [(lambda x: x[:, ::2].sum(), "full reduction: its input has gaps or overlaps"),
+             (lambda x: (x * 2).sum(dtype=torch.float64), "reduction of integers or with a dtype=")]
+    for red, reason in cases:
+        out, reports = compile_and_run(red, (x[:3],))
+        assert leftover_aten(reports) == ["aten.sum.dim_IntList"]
+        assert [r[:len(reason)] for r in aten_reasons(red, x[:3])] == [reason]
+        assert_close(out, red(x[:3]), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -161,10 +210,12 @@ def test_linear_and_layer_norm_gradients_have_no_sum_on_aten(dtype, device):
         got = grads(torch.compile(f, backend="fusion"), dtype)
     eager, exact = grads(f, dtype), grads(f, torch.float64)
     assert leftover_aten(reports, "backward") == ["aten.mm.default"] * 2
-    # backward: the norm's and the GELU's backward in one row kernel; the partial sums (300
+    assert leftover_aten(reports, "forward") == ["aten.addmm.default"]
+    # forward: the GELU, the norm and the square in a row kernel, the loss's full sum in a
+    # second (a row of 12000, read back: it cannot join rows of 40); backward: the norm's and the GELU's backward in one row kernel; the partial sums (300
     # rows in two chunks) of the norm weight's, the norm bias's and the Linear bias's gradients,
     # all read from that kernel's results, in a second; their totals in a third
-    assert [r.num_kernels for r in reports] == [1, 3]
+    assert [r.num_kernels for r in reports] == [2, 3]
     assert fused_ops(reports[1:]).count("aten.sum.dim_IntList") == 8
     atol, rtol = TOL[dtype]
     for a, e, r, name in zip(got, eager, exact, ["x", "weight", "bias", "norm weight",
