@@ -188,6 +188,9 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         dtype = lk.ir.values[lk.ir.outputs[pos]].dtype
         value = store_value(var.name, defs.get(var.name, ""), dtype)
         hint = f', eviction_policy="{evict}"' if evict and row_level else ""
+        if row and not row_level and not scalar_row:
+            # a per-row value of a [XBLOCK, 1] block: stored 1-d (triton_lib.store_rows)
+            return [f"fl.store_rows(out{pos} + {print_expr(off)}{pad}, {value}, {mask}, XBLOCK)"]
         if resident and COLS in off.free_symbols:
             return [f"tl.store({row_address(f'out{pos}', off)}{pad}, {value}, mask={mask})"]
         if shift and COLS in off.free_symbols:

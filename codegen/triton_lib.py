@@ -158,6 +158,21 @@ else:
 
 
 @triton.jit
+def store_rows(ptr, value, mask, XBLOCK: tl.constexpr):
+    """Store a row kernel's per-row ``value`` ([XBLOCK, 1], or a scalar) at ``ptr`` under
+    ``mask`` (both [XBLOCK, 1]) as a block of XBLOCK. Stored as a [XBLOCK, 1] block, two
+    chains of per-row values that share an op (a = f(m), b = f(m - a), c = f(a); stores of b,
+    a, c) fail Triton 3.6's TritonGPURemoveLayoutConversions ("operand #0 does not dominate
+    this use", triton-lang/triton#8257): its coalescing gives the [XBLOCK, 1] stores a layout
+    of their own, and rematerializing the chains in it misorders them. Fixed by Triton 3.9.
+    Compiled for sm_90 with Triton 3.6 on the CPU, four exp chains of a row's min in each
+    order of their stores, at 5 block shapes and warp counts: 72 of 240 kernels failed with
+    [XBLOCK, 1] stores, none with 1-d ones (tests/test_row_outputs.py compiles such chains)."""
+    tl.store(tl.reshape(ptr, [XBLOCK]), tl.reshape(tl.broadcast_to(value, [XBLOCK, 1]), [XBLOCK]),
+             mask=tl.reshape(mask, [XBLOCK]))
+
+
+@triton.jit
 def div_scale(b):
     """The power of two div.full.f32 scales a division's operands by: 1/4 for |b| > 2^126,
     2^24 for |b| < 2^-126, else 1 (NaN: 1)."""
