@@ -159,7 +159,7 @@ else:
 
 @triton.jit
 def store_rows(ptr, value, mask, XBLOCK: tl.constexpr):
-    """Store a row kernel's per-row ``value`` ([XBLOCK, 1], or a scalar) at ``ptr`` under
+    """Store a row kernel's per-row ``value`` ([XBLOCK, 1], [1] or a scalar) at ``ptr`` under
     ``mask`` (both [XBLOCK, 1]) as a block of XBLOCK. Stored as a [XBLOCK, 1] block, two
     chains of per-row values that share an op (a = f(m), b = f(m - a), c = f(a); stores of b,
     a, c) fail Triton 3.6's TritonGPURemoveLayoutConversions ("operand #0 does not dominate
@@ -168,7 +168,8 @@ def store_rows(ptr, value, mask, XBLOCK: tl.constexpr):
     Compiled for sm_90 with Triton 3.6 on the CPU, four exp chains of a row's min in each
     order of their stores, at 5 block shapes and warp counts: 72 of 240 kernels failed with
     [XBLOCK, 1] stores, none with 1-d ones (tests/test_row_outputs.py compiles such chains)."""
-    tl.store(tl.reshape(ptr, [XBLOCK]), tl.reshape(tl.broadcast_to(value, [XBLOCK, 1]), [XBLOCK]),
+    ptr, value = tl.broadcast(ptr, value)      # a block of one ([1]) too: the rows' shape
+    tl.store(tl.reshape(ptr, [XBLOCK]), tl.reshape(value, [XBLOCK]),
              mask=tl.reshape(mask, [XBLOCK]))
 
 

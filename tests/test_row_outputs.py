@@ -60,3 +60,31 @@ def test_a_norm_keeps_its_statistics_for_the_backward(dtype, device):
     atol, rtol = TOL[dtype]
     assert_close(got[0], x.grad, dtype=dtype, name="x grad")
     assert_close(got[1], norm.weight.grad, atol=atol * 45, rtol=rtol, name="weight grad")
+
+
+def test_a_per_row_value_that_is_a_block_of_one_trains(device):
+    """The GPU gradient fuzzer's find: ``where(x1 <= x1, x1, x2)`` of two 0-d inputs beside
+    ``x0 + x1`` of a [3, 12] expanded input; the backward's row kernel sums x1's gradient and
+    stores the where's gradients, blocks of one ([1]: a constant met scalar loads), per row.
+    store_rows broadcast them with a rank they do not have ("Cannot broadcast, rank
+    mismatch"); now they take the rows' shape."""
+    x0 = randn((1, 12), torch.float32, device).expand(3, 12)
+    x1, x2 = randn((1,), torch.float32, device)[0], randn((1,), torch.float32, device)[0]
+
+    def f(x0, x1, x2):
+        return x0 + x1, torch.where(x1 <= x1, x1, x2)
+    ours = [t.detach().clone().requires_grad_() for t in (x0, x1, x2)]
+    ref = [t.detach().clone().requires_grad_() for t in (x0, x1, x2)]
+    torch._dynamo.reset()
+    import fusion_compiler
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(f, backend="fusion", fullgraph=True)(*ours)
+        ((out[0] * 2).sum() + (out[1] * 3).sum()).backward()
+    expected = f(*ref)
+    ((expected[0] * 2).sum() + (expected[1] * 3).sum()).backward()
+    assert {r.kind for r in reports} == {"forward", "backward"}
+    assert not [r.error for r in reports if r.error]
+    for name, a, e in zip(["x0 + x1", "where"], out, expected):
+        assert_close(a, e, dtype=torch.float32, name=name)
+    for name, a, e in zip(["x0", "x1", "x2"], ours, ref):
+        assert_close(a.grad, e.grad, dtype=torch.float32, name=f"grad of {name}")
