@@ -43,11 +43,17 @@ def compute_dtype(dtypes) -> torch.dtype:
 
 
 def literal(value, dtype: torch.dtype) -> str:
-    """A Python scalar as a Triton literal of the compute dtype."""
+    """A Python scalar as a Triton literal of the compute dtype. A value of a rounded dtype
+    (bf16, fp16, fp8: a ``full``, a ``where``'s or ``masked_fill``'s scalar, a pad's value; the
+    arithmetic ops compute in fp32 and pass fp32 here) is that dtype's value, rounded as ATen's
+    cast rounds it (through fp32): ``where(c, x_bf16, 0.1).float()`` is 0.10009765625, as
+    eager's, not the register's 0.1 (the GPU fuzzer's find)."""
     if isinstance(value, bool) or dtype == torch.bool:
         return "1" if value else "0"
     if dtype.is_floating_point:
         value = float(value)
+        if dtype in ROUNDED and math.isfinite(value):
+            value = torch.tensor(value, dtype=torch.float32).to(dtype).item()
         if math.isnan(value):
             return 'float("nan")'
         if math.isinf(value):

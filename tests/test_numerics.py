@@ -300,3 +300,33 @@ def test_float_floor_division_stays_on_aten(device):
     out, reports = compile_and_run(f, (a, b))
     assert leftover_aten(reports) == ["aten.div.Tensor_mode"]
     assert torch.equal(out, f(a, b))
+
+
+SCALAR_SELECTIONS = {
+    "where(c, x, s)": lambda x: torch.where(x < 0, x, 0.1),
+    "where(c, s, x)": lambda x: torch.where(x > 0, 0.3, x),
+    "masked_fill": lambda x: x.masked_fill(x > 0.5, -2.7),
+    "full_like": lambda x: torch.full_like(x, 1.1) + 0 * x,
+    "pad value": lambda x: torch.nn.functional.pad(x, (1, 2), value=0.7),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(SCALAR_SELECTIONS))
+def test_a_scalar_selected_into_a_low_precision_tensor_is_rounded_to_it(name, dtype, device):
+    """A Python scalar that becomes an element of a bf16/fp16 tensor (a where's, a
+    masked_fill's, a full's, a pad's value) is that dtype's nearest value, as eager's cast
+    makes it: read back in fp32 in the same kernel (``.float()``, then arithmetic), it is
+    0.10009765625 for bf16's 0.1, not the register's 0.1 (the GPU fuzzer's find). Bit-equal to
+    eager, one kernel, on odd random shapes."""
+    x = torch.randn(7, 13, device=device).to(dtype)
+    select = SCALAR_SELECTIONS[name]
+
+    def f(x):
+        y = select(x)
+        return y.float() * 3.0, y
+    (wide, y), reports = compile_and_run(f, (x,))
+    ew, ey = f(x)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert torch.equal(y, ey) and y.dtype == dtype
+    assert torch.equal(wide, ew), (wide - ew).abs().max().item()
