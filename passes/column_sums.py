@@ -18,6 +18,11 @@ than 2 x ``CHUNK``, or an odd count) take one sum.
 
 A mean over leading dims (BatchNorm1d's statistics over [N, C]) is the same sum divided by
 the rows' count in fp32. Eager's CUDA sum accumulates in fp32 and rounds once; so do these.
+
+A reduction over every dim (``sum()``, ``mean()``, ``amax``: a loss's sum, a per-tensor
+amax) is one over the last dim of its input viewed as one row in memory order (``_full``,
+``_flatten``): a row kernel with the input's producers, split across programs where the row
+is long, where the code generator, which reduces over the last dim only, left it to ATen.
 """
 from __future__ import annotations
 
@@ -69,8 +74,8 @@ def _leading(node):
 
 
 def why_left(node, enabled: bool):
-    """Why a sum over leading dimensions or a full reduction still in the graph was not rewritten (dump's reason
-    for an op left on ATen), or None where ``node`` is no such sum."""
+    """Why a sum over leading dimensions or a full reduction still in the graph was not
+    rewritten (dump's reason for an op left on ATen), or None where ``node`` is neither."""
     full = _full(node)
     if full is not None:
         if not enabled:

@@ -212,9 +212,10 @@ def test_linear_and_layer_norm_gradients_have_no_sum_on_aten(dtype, device):
     assert leftover_aten(reports, "backward") == ["aten.mm.default"] * 2
     assert leftover_aten(reports, "forward") == ["aten.addmm.default"]
     # forward: the GELU, the norm and the square in a row kernel, the loss's full sum in a
-    # second (a row of 12000, read back: it cannot join rows of 40); backward: the norm's and the GELU's backward in one row kernel; the partial sums (300
-    # rows in two chunks) of the norm weight's, the norm bias's and the Linear bias's gradients,
-    # all read from that kernel's results, in a second; their totals in a third
+    # second (a row of 12000, read back: it cannot join rows of 40); backward: the norm's and
+    # the GELU's backward in one row kernel; the partial sums (300 rows in two chunks) of the
+    # norm weight's, the norm bias's and the Linear bias's gradients, all read from that
+    # kernel's results, in a second; their totals in a third
     assert [r.num_kernels for r in reports] == [2, 3]
     assert fused_ops(reports[1:]).count("aten.sum.dim_IntList") == 8
     atol, rtol = TOL[dtype]

@@ -893,19 +893,13 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
         if "aten.sum.dim_IntList" in unexplained:
             note(f"column sum left on ATen: {a['reason']}")
             unexplained.remove("aten.sum.dim_IntList")
-    # a reduction over a middle dim that passes/middle_dims declined says why (its why_left)
+    # a reduction over a middle dim that passes/middle_dims declined, or over every dim that
+    # passes/column_sums declined (an input with gaps), says why (their why_left)
     for a in [a for r in reports for a in (r.summary or {}).get("aten_ops", [])
-              if a["reason"].startswith("reduction over a middle dim:")]:
+              if a["reason"].startswith(("reduction over a middle dim:", "full reduction:"))]:
         same = [t for t in unexplained if _fused_name(t) == a["op"].split(".")[0]]
         if same:
-            note(f"middle-dim reduction left on ATen: {a['reason']}")
-            unexplained.remove(same[0])
-    # a reduction over every dim that passes/column_sums declined (an input with gaps) too
-    for a in [a for r in reports for a in (r.summary or {}).get("aten_ops", [])
-              if a["reason"].startswith("full reduction:")]:
-        same = [t for t in unexplained if _fused_name(t) == a["op"].split(".")[0]]
-        if same:
-            note(f"full reduction left on ATen: {a['reason']}")
+            note(f"reduction left on ATen: {a['reason']}")
             unexplained.remove(same[0])
     assert not unexplained, (f"fusable ATen ops left unfused without a reason: {unexplained}; "
                              f"decisions: {[r.decisions for r in reports]}")
