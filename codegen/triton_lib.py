@@ -165,9 +165,9 @@ def store_rows(ptr, value, mask, XBLOCK: tl.constexpr):
     a, c) fail Triton 3.6's TritonGPURemoveLayoutConversions ("operand #0 does not dominate
     this use", triton-lang/triton#8257): its coalescing gives the [XBLOCK, 1] stores a layout
     of their own, and rematerializing the chains in it misorders them. Fixed by Triton 3.9.
-    Compiled for sm_90 with Triton 3.6 on the CPU, four exp chains of a row's min in each
-    order of their stores, at 5 block shapes and warp counts: 72 of 240 kernels failed with
-    [XBLOCK, 1] stores, none with 1-d ones (tests/test_row_outputs.py compiles such chains)."""
+    Compiled for sm_90 with Triton 3.6 on the CPU, four exp values of a row's min in two
+    dataflows, each order of their stores, at 5 block shapes and warp counts: 72 of 240
+    kernels failed with [XBLOCK, 1] stores, none with 1-d ones (tests/test_row_outputs.py compiles such chains)."""
     ptr, value = tl.broadcast(ptr, value)      # a block of one ([1]) too: the rows' shape
     tl.store(tl.reshape(ptr, [XBLOCK]), tl.reshape(value, [XBLOCK]),
              mask=tl.reshape(mask, [XBLOCK]))
