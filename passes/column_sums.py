@@ -97,11 +97,12 @@ FULL = {aten.sum.dim_IntList: aten.sum.dim_IntList, aten.sum.default: aten.sum.d
 
 
 def _full(node):
-    """(x, why) where ``node`` reduces a float tensor ``x`` (not fp64, no ``dtype=``) over
+    """(x, why, order) where ``node`` reduces a float tensor ``x`` (not fp64, no ``dtype=``) over
     every dim (an empty dim list, or all of them; a 1-d input only by an empty list: over its
     one dim it is a row already): a loss's ``sum()``, a per-tensor ``amax``. ``why`` is None
     where the rewrite applies (static sizes, at least two elements, memory without gaps or
-    overlaps), else why not; None where ``node`` is no such reduction."""
+    overlaps), else why not; ``order`` the permutation that makes ``x`` contiguous
+    (``slices.dense_order``, None where none does); None where ``node`` is no such reduction."""
     if node.op != "call_function" or node.target not in FULL or node.kwargs.get("dtype"):
         return None
     x = _val(node.args[0])
@@ -115,22 +116,21 @@ def _full(node):
         dims = [dims] if isinstance(dims, int) else list(dims or [])
         if dims and (x.dim() == 1 or sorted(d % x.dim() for d in dims) != list(range(x.dim()))):
             return None
-    why = None
+    why, order = None, dense_order(x)
     if not all(type(v) is int for v in (*x.shape, *x.stride())):
         why = "symbolic sizes (dynamic shapes)"
     elif math.prod(x.shape) < 2:
         why = "a single element"
-    elif dense_order(x) is None:
+    elif order is None:
         why = "its input has gaps or overlaps in memory (a strided slice, an expand): no flat view"
-    return x, why
+    return x, why, order
 
 
-def _flatten(gm, node, x) -> None:
+def _flatten(gm, node, x, order) -> None:
     """Full reduction ``node`` of ``x`` made one over the last dim of ``x`` viewed as one row in
-    memory order (any order reduces the same elements): a row kernel with its producers, split
-    across programs where the row is long (launch.split_settings), where it stayed on ATen
-    ("reduction not over the last dimension")."""
-    order = dense_order(x)
+    memory order ``order`` (any order reduces the same elements): a row kernel with its
+    producers, split across programs where the row is long (launch.split_settings), where it
+    stayed on ATen ("reduction not over the last dimension")."""
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     mode = x.fake_mode
     with gm.graph.inserting_before(node):
@@ -190,7 +190,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         full = _full(node)
         if full is not None:
             if full[1] is None:
-                _flatten(gm, node, full[0])
+                _flatten(gm, node, full[0], full[2])
                 done += 1
             continue
         found = _leading(node)
