@@ -111,6 +111,18 @@ def gemma2_4x512(device="cpu", dtype=torch.bfloat16):
                  _ids(4, 512 if not TINY else 16), device, dtype, attn="eager")
 
 
+def mamba2_4x1024(device="cpu", dtype=torch.bfloat16):
+    """Mamba2-style state-space model, 8 layers of 1024 (32 heads of 64, state 128, chunks of
+    256), through transformers' PyTorch path (the one torch.compile traces): per chunk,
+    ``segment_sum``'s ``cumsum(dim=-2)`` over [l, l] blocks, exp, einsums."""
+    return _make("Mamba2Config", "Mamba2Model",
+                 dict(hidden_size=1024, num_hidden_layers=8, num_heads=32, head_dim=64,
+                      state_size=128, n_groups=1, chunk_size=256, expand=2, vocab_size=32000),
+                 dict(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                      state_size=8, n_groups=1, chunk_size=16, expand=2, vocab_size=256),
+                 _ids(4, 1024 if not TINY else 32), device, dtype)
+
+
 def bloom_8x512(device="cpu", dtype=torch.bfloat16):
     """BLOOM-560m: 24 layers of 1024, ALiBi attention in its math form (softmax kernels)."""
     return _make("BloomConfig", "BloomModel",

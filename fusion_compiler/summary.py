@@ -9,7 +9,7 @@ import operator
 
 import torch
 
-from .passes import column_sums, middle_dims, outer_dims, trailing_dims
+from .passes import column_sums, middle_dims, outer_dims, scan_dims, trailing_dims
 from .passes.classify import OpKind
 from .passes.generate import label
 from .passes.shapes import hint
@@ -59,6 +59,10 @@ def aten_reason(node, config=None) -> str:
             or trailing_dims.why_left(node) or middle_dims.why_left(node) \
             or outer_dims.why_left(node)
         return why or "reduction not over the last dimension"
+    if base == "cumsum":
+        why = scan_dims.why_left(node)
+        if why is not None:
+            return why
     return f"not supported by the code generator: {_short(node.target)}"
 
 

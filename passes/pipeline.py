@@ -7,7 +7,7 @@ import torch
 
 from . import (classify, column_sums, constant_fold, conv_bias, dedupe, empty_values, fuse,
                generate, grouped_attention, index_rows, late_decompose, middle_dims,
-               outer_dims, pad_gemm, partition, roll, shapes, trailing_dims)
+               outer_dims, pad_gemm, partition, roll, scan_dims, shapes, trailing_dims)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -24,6 +24,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     column_sums.run(gm, ctx)        # sums over leading dims as split sums of rows
     trailing_dims.run(gm, ctx)      # reductions over several trailing dims as over one
     middle_dims.run(gm, ctx)        # reductions over one middle dim as over the last
+    scan_dims.run(gm, ctx)          # cumsums over another dim than the last as over the last
     gm = shapes.run(gm, ctx)        # sympy sizes/strides of every tensor, size hints
     gm = classify.run(gm, ctx)      # op kind per node: pointwise, view, reduction, opaque
     gm = empty_values.run(gm, ctx)  # values with no elements: allocated, not computed

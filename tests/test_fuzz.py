@@ -8,8 +8,8 @@ and ``index_select`` along a dim
 by an index made from constants, ``cat`` along the last dim, last-dim reductions
 (sum/mean/amax/amin, keepdim or not, then broadcast back; softmax), sums over leading dims
 (``passes/column_sums``: split sums of strided rows; maybe scaled first, broadcast back) and
-cumsums along the last dim (scans), flips, now and then an op that stays on ATen (cummax) --
-over random shapes (odd sizes included),
+cumsums (scans; now and then over another dim than the last), flips, now and then an op that
+stays on ATen (cummax) -- over random shapes (odd sizes included),
 dtypes (fp32/fp16/bf16, mixed), input layouts (contiguous, transposed, sliced, offset,
 expanded) and FUSION_COMPILER_MAX_PERSISTENT_BLOCK (small values make rows use the looped
 kernel; half of those programs also split few long rows across programs, ``_split_rows``). A program is Python source (``Program.source()``), so a failing example prints as a
@@ -19,7 +19,7 @@ runnable reproducer. Each program runs eagerly and compiled with ``fullgraph=Tru
   eager's strides, or (where PyTorch's fake tensors disagree with eager) the traced graph's;
 * at least one kernel was generated when a live pointwise/reduction/cat op exists;
 * no pointwise/reduction/cat ATen op is left unfused unless ``groups_not_generated`` says why
-  (or, for a sum over leading dims, the dump's reason from ``column_sums.why_left``);
+  (or the dump's reason: ``why_left`` of column_sums, middle_dims or scan_dims);
 * no generated kernel reads, after a loop, a value only the loop assigns (Triton rejects that on
   the GPU; the interpreter, plain Python, would run it).
 
@@ -435,8 +435,11 @@ class _Builder:
                                  + (["amax", "amin"] if self._jumps_ok(a) else [])))
         if kind == "cumsum":        # a scan along the last dim (codegen/lower.py: _scan)
             dim = d(st.sampled_from([-1, len(sa) - 1]))
+            if len(sa) >= 2 and _rare(d, 3):
+                # over another dim (passes/scan_dims: the permuted view's rows, or ATen's)
+                dim = d(st.integers(0, len(sa) - 2))
             expr = f"torch.cumsum({a}, {dim})" if d(st.booleans()) else f"{a}.cumsum({dim})"
-            return self.add("cumsum", expr, [a], self.bound(a) * sa[-1])
+            return self.add("cumsum", expr, [a], self.bound(a) * sa[dim], {"dim": dim % len(sa)})
         keepdim = d(st.booleans())
         dim = d(st.sampled_from([-1, len(sa) - 1]))
         if kind != "softmax" and len(sa) >= 3 and _rare(d, 3):
@@ -893,10 +896,12 @@ def check_program_fn(fn, args, prog: Program | None = None, bounds: dict | None 
         if "aten.sum.dim_IntList" in unexplained:
             note(f"column sum left on ATen: {a['reason']}")
             unexplained.remove("aten.sum.dim_IntList")
-    # a reduction over a middle dim that passes/middle_dims declined, or over every dim that
-    # passes/column_sums declined (an input with gaps), says why (their why_left)
+    # a reduction over a middle dim that passes/middle_dims declined, over every dim that
+    # passes/column_sums declined (an input with gaps), or a cumsum over another dim than the
+    # last that passes/scan_dims declined (short runs of rows), says why (their why_left)
     for a in [a for r in reports for a in (r.summary or {}).get("aten_ops", [])
-              if a["reason"].startswith(("reduction over a middle dim:", "full reduction:"))]:
+              if a["reason"].startswith(("reduction over a middle dim:", "full reduction:",
+                                         "cumsum over dim "))]:
         same = [t for t in unexplained if _fused_name(t) == a["op"].split(".")[0]]
         if same:
             note(f"reduction left on ATen: {a['reason']}")

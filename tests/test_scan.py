@@ -1,6 +1,7 @@
-"""Cumulative sums (``cumsum`` over the last dim) as scans in persistent row kernels, fused with
-what computes their input and what reads their result; ``flip`` as index arithmetic, so that a
-cumsum's gradient (the flipped cumsum of the flipped gradient) is one kernel. Kernel counts and
+"""Cumulative sums (``cumsum`` over the last dim, or over another as over the last of a permuted
+view) as scans in persistent row kernels, fused with what computes their input and what reads
+their result; ``flip`` as index arithmetic, so that a cumsum's gradient (the flipped cumsum of
+the flipped gradient) is one kernel. Kernel counts and
 values against eager on random data, odd sizes, each dtype with its tolerance; what stays on
 ATen says why."""
 import pytest
@@ -195,14 +196,100 @@ def test_a_scan_read_at_another_position_is_its_own_kernel(device):
     assert_close(out, f(x, y), atol=1e-5 * 9, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("shape,dim", [((37, 19), 0), ((3, 23, 17), 1), ((4, 5, 6, 16), 1),
+                                       ((29, 4, 5), 0), ((3, 11, 2, 3, 9), -3)], ids=str)
+def test_a_cumsum_over_another_dim_scans_strided_rows(shape, dim, dtype, device):
+    """A cumsum over a dim other than the last: a row kernel over the permuted view's rows,
+    with its producer and reader, the result in ATen's contiguous layout (passes/scan_dims.py).
+    Before, ATen's scan, and the producer's output written out for it."""
+    x = randn(shape, dtype, device)
+    f = lambda a: (torch.cumsum(a * 0.5 + 1, dim) * 0.25).sigmoid()      # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    want = f(x)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert [k["label"] for k in reports[0].kernels] == ["cumsum"]
+    atol, rtol = _scan_tol(dtype, shape[dim])
+    assert_close(out, want, dtype=dtype, atol=atol, rtol=rtol)
+    assert out.stride() == want.stride()
+
+
+def test_a_cumsum_over_the_first_dim_of_a_transposed_input_reads_rows_in_place(device):
+    """The scanned dim at stride 1 (a transposed input): its rows are contiguous in memory;
+    the result is contiguous, as ATen's."""
+    x = randn((45, 7), torch.float32, device).t()
+    f = lambda a: torch.cumsum(a * 3, 0) - 1      # noqa: E731
+    out, reports = compile_and_run(f, (x,))
+    want = f(x)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert_close(out, want, atol=1e-5 * 7, rtol=1e-5)
+    assert out.stride() == want.stride() == (45, 1)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.int32, torch.bool], ids=str)
+def test_integer_prefix_sums_over_the_first_dim_are_exact(mask_dtype, device):
+    mask = (torch.rand(33, 18, device=device) > 0.3).to(mask_dtype)
+    f = lambda m: m.cumsum(0) * 3 - 1       # noqa: E731
+    out, reports = compile_and_run(f, (mask,))
+    want = f(mask)
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert out.dtype == want.dtype == torch.int64 and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_gradient_of_a_cumsum_over_another_dim_is_one_kernel(dtype, device):
+    """The backward's flipped cumsum over dim 1 of the flipped gradient: a reverse scan over
+    the permuted rows, one kernel each way."""
+    x = randn((5, 23, 17), dtype, device).requires_grad_()
+    f = lambda a: torch.cumsum(a, 1).sin()     # noqa: E731
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(f, backend="fusion", fullgraph=True)(x)
+        out.sum().backward()
+    got = x.grad
+    x.grad = None
+    want = f(x)
+    want.sum().backward()
+    atol, rtol = _scan_tol(dtype, 23)
+    assert_close(out, want, dtype=dtype, atol=atol, rtol=rtol)
+    assert_close(got, x.grad, dtype=dtype, atol=4 * atol, rtol=4 * rtol, name="grad")
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports, "forward") == 1 and kernel_count(reports, "backward") == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mamba2_segment_sums_are_two_kernels(dtype, device):
+    """transformers' Mamba2 ``segment_sum`` (its PyTorch path, which torch.compile traces):
+    the chunk's decays expanded to [l, l], masked, summed down the columns (``cumsum(dim=-2)``),
+    masked with -inf, exp. The masked expand and the scan are one kernel, which writes the
+    sums row by row; the mask and exp read them transposed (the square [l, l] block: a kernel
+    of their own). Before, ATen's cumsum and the masked expand written out for it."""
+    x = -randn((2, 3, 2, 20), dtype, device).abs()
+
+    def f(a):
+        n = a.size(-1)
+        t = a[..., None].expand(*a.size(), n)
+        below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=-1)
+        s = torch.cumsum(t.masked_fill(~below, 0), dim=-2)
+        keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
+        return torch.exp(s.masked_fill(~keep, -torch.inf))
+    out, reports = compile_and_run(f, (x,))
+    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+    assert sorted(k["label"] for k in reports[0].kernels) == ["cumsum", "pointwise"]
+    atol, rtol = _scan_tol(dtype, 20)
+    assert_close(out, f(x), dtype=dtype, atol=atol, rtol=rtol)
+
+
 def test_what_stays_on_aten_says_why(device):
-    """Other dims (their rows lie apart: ATen's scan), fp64, and rows longer than one block."""
-    x = randn((6, 20), torch.float32, device)
+    """Other dims whose rows lie side by side in short runs (ATen's scan), fp64, and rows
+    longer than one block."""
+    x = randn((20, 6), torch.float32, device)
     g = lambda a: torch.cumsum(a * 2, 0)        # noqa: E731
     out, reports = compile_and_run(g, (x,))
     assert_close(out, g(x), atol=1e-5, rtol=1e-5)
     assert leftover_aten(reports) == ["aten.cumsum.default"]
-    assert any("cumsum" in r for r in aten_reasons(g, x))
+    assert "cumsum over dim 0: its rows lie side by side in runs under 16 elements" \
+        in aten_reasons(g, x)
     d = lambda a: torch.cumsum(a.double() * 2, -1)     # noqa: E731
     out, reports = compile_and_run(d, (x,))
     assert torch.allclose(out, d(x)) and "aten.cumsum.default" in leftover_aten(reports)
