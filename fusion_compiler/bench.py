@@ -8,7 +8,8 @@ it reached (patterns), CUDA kernels launched per call (profiler count), cold com
 call) and warm compile time (dynamo reset, kernel caches full), peak memory (reserved, and the
 call's own allocated tensors), and the largest
 difference from eager. With ``breakdown=True``, also where one call's GPU time goes
-(breakdown.py).
+(breakdown.py). A backend that fails on a target (Inductor on transformers' Mamba2, torch 2.11)
+gets a row that says so, and the others are timed.
 """
 from __future__ import annotations
 
@@ -308,8 +309,16 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
             print(f"[{done}/{total}] {name}: {backend}", file=progress, flush=True)
             if start is not None:
                 fn.load_state_dict(start)
-            row, out, call, profiles[backend] = measure(fn, make, backend, mode, floor, ref,
-                                                        breakdown)
+            try:
+                row, out, call, profiles[backend] = measure(fn, make, backend, mode, floor, ref,
+                                                            breakdown)
+            except Exception as exc:    # noqa: BLE001 - the other backends are still timed
+                if isinstance(exc, torch.cuda.OutOfMemoryError) or len(backends) == 1:
+                    raise
+                rows[backend] = {"failed": failure(exc)}
+                print(f"{name}: {backend} failed: {rows[backend]['failed']}", file=progress,
+                      flush=True)
+                continue
             if backend == "eager":
                 ref = out
             rows[backend] = row
@@ -328,13 +337,15 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
                 rows[backend]["paired"] = against
         eager_ms = rows.get("eager", {}).get("ms")
         for row in rows.values():
-            row["speedup_vs_eager"] = eager_ms / row["ms"] if eager_ms else None
+            if "failed" not in row:
+                row["speedup_vs_eager"] = eager_ms / row["ms"] if eager_ms else None
         results["targets"][name] = rows
         profiling.append((rows, profiles))
     # last, once every target is timed: a profiler session slows the process's later calls
     for rows, profiles in profiling:
         for backend, row in rows.items():
-            row.update(profiles[backend]())
+            if backend in profiles:
+                row.update(profiles[backend]())
     print(format_table(results))
     pairs = format_paired(results)
     if pairs:
@@ -347,6 +358,19 @@ def run(targets, backends=DEFAULT_BACKENDS, mode="inference", out_path=None, pro
     return results
 
 
+def failure(exc: BaseException) -> str:
+    """A backend's failure on one line: its type and the first line of its message (Inductor's
+    own errors wrap the cause: ``InductorError: TypeError: ...``)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def failed(results) -> list:
+    """(target, backend) pairs that failed, from ``run``'s results."""
+    return [(n, b) for n, rows in results["targets"].items() for b, r in rows.items()
+            if "failed" in r]
+
+
 def format_table(results) -> str:
     lines = [f"copy bandwidth {results['copy_TBps']:.2f} TB/s, mode {results['mode']}",
              f"{'target':24s} {'backend':9s} {'median':>10s} {'speedup':>8s} {'floor %':>8s} "
@@ -354,6 +378,9 @@ def format_table(results) -> str:
              f"{'max err':>9s}"]
     for name, rows in results["targets"].items():
         for b, r in rows.items():
+            if "failed" in r:
+                lines.append(f"{name:24s} {b:9s} failed: {r['failed']}")
+                continue
             floor = f"{r['frac_of_floor']:.0%}" if "frac_of_floor" in r else "-"
             warm = f"{r['warm_compile_s']:.2f}" if r["warm_compile_s"] is not None else "-"
             err = f"{r['max_err_vs_eager']:.2g}" if r["max_err_vs_eager"] is not None else "-"

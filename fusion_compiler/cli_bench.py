@@ -81,8 +81,13 @@ def command(args) -> int:
                     targets.append((name, fn, make, True))
                 else:
                     targets.append(_model_target(name, args.dtype))
-        bench.run(targets, backends, args.mode, args.output, breakdown=args.breakdown,
-                  rounds=args.rounds or bench.ROUNDS)
+        results = bench.run(targets, backends, args.mode, args.output,
+                            breakdown=args.breakdown, rounds=args.rounds or bench.ROUNDS)
+        if bench.failed(results):
+            print("fusion-compiler: error: bench: failed on "
+                  + ", ".join(f"{n} ({b})" for n, b in bench.failed(results))
+                  + "; the table has the other backends' numbers", file=sys.stderr)
+            return 1
     except Exception as exc:        # noqa: BLE001 - one line unless --debug
         if args.debug:
             traceback.print_exception(exc)

@@ -1,5 +1,6 @@
 """`bench --breakdown`: kernel names to categories, time per category over a call's GPU span,
 the table and the JSON, and the CLI flag. Synthetic traces: no GPU needed."""
+import io
 import json
 import re
 
@@ -278,6 +279,7 @@ def test_the_flags_reach_bench_run(monkeypatch, flag, expected):
 
     def fake_run(targets, backends, mode, out_path, breakdown=False, rounds=None):
         seen.update(targets=[t[0] for t in targets], breakdown=breakdown, rounds=rounds)
+        return {"targets": {}}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "run", fake_run)
@@ -362,3 +364,44 @@ def test_bench_table_shows_reserved_and_allocated_peak_memory():
                       line.split())) for line in lines]
     assert [(c["backend"], c["peak_MB"], c["alloc_MB"]) for c in cells] == [
         ("fusion", "88", "37"), ("eager", "88", "-")]
+
+
+def test_a_backend_that_fails_gets_a_row_and_the_others_are_timed(monkeypatch, tmp_path,
+                                                                  capsys):
+    """Inductor failed to compile transformers' Mamba2 (torch 2.11, H100: "InductorError:
+    TypeError: list indices must be integers or slices, not NoneType") and the whole bench
+    stopped with it: now its row says why, eager and fusion are timed and paired, and the
+    command exits 1 naming what failed."""
+    order = _fake_rows(monkeypatch, eager_rounds=[3.0, 1.0, 2.0])
+    measure = bench.measure
+
+    def failing(fn, make, backend, *args, **kw):
+        if backend == "inductor":
+            raise RuntimeError("InductorError: TypeError: list indices must be integers\nmore")
+        return measure(fn, make, backend, *args, **kw)
+    monkeypatch.setattr(bench, "measure", failing)
+    progress = io.StringIO()
+    doc = bench.run([("toy", None, None, False)], ("eager", "inductor", "fusion"),
+                    out_path=tmp_path / "b.json", progress=progress, rounds=3)
+    rows = doc["targets"]["toy"]
+    assert rows["inductor"] == {"failed": "RuntimeError: InductorError: TypeError: list "
+                                          "indices must be integers"}
+    assert rows["fusion"]["ms"] == 1.5 and rows["fusion"]["speedup_vs_eager"] == 2.0 / 1.5
+    assert sorted(rows["fusion"]["paired"]) == ["eager"]
+    assert bench.failed(doc) == [("toy", "inductor")]
+    assert "inductor" not in order and order.count("fusion") == 3
+    assert "toy: inductor failed: RuntimeError: InductorError" in progress.getvalue()
+    table = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:3] == ["toy", "inductor", "failed:"] for line in table)
+    assert json.loads((tmp_path / "b.json").read_text())["targets"]["toy"]["inductor"]["failed"]
+
+
+def test_the_command_exits_1_when_a_backend_failed(monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: {
+        "targets": {"add_rmsnorm": {"inductor": {"failed": "X: y"}, "fusion": {"ms": 1.0}}}})
+    assert main(["bench", "add_rmsnorm"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fusion-compiler: error: bench: failed on add_rmsnorm (inductor); the table "
+                   "has the other backends' numbers"]
