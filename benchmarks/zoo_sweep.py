@@ -194,6 +194,34 @@ NEW = {
     "mamba2": (
         "Mamba2Config", "Mamba2Model", dict(hidden_size=64, num_hidden_layers=2, vocab_size=256,
         state_size=8, num_heads=8, head_dim=16, n_groups=1, chunk_size=8, expand=2), "ids"),
+    # Mamba2 layers in hybrids (transformers' PyTorch path: segment_sum's cumsum(dim=-2))
+    "bamba": (
+        "BambaConfig", "BambaModel", dict(D, num_key_value_heads=2, mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
+        attn_layer_indices=[1]), "ids+mask"),
+    "granitemoe_hybrid": (
+        "GraniteMoeHybridConfig", "GraniteMoeHybridModel", dict(D, num_key_value_heads=2,
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
+        layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=64), "ids"),
+    "falcon_h1": (
+        "FalconH1Config", "FalconH1Model", dict(D, num_key_value_heads=2, mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_d_ssm=128,
+        head_dim=16), "ids"),
+    "zamba2": (
+        "Zamba2Config", "Zamba2Model", dict(hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=256, mamba_d_state=8,
+        mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=16,
+        layers_block_type=["mamba", "hybrid"], attention_head_dim=16, intermediate_size=128,
+        hybrid_layer_ids=[1], num_mem_blocks=1), "ids"),
+    "nemotron_h": (
+        "NemotronHConfig", "NemotronHModel", dict(D, num_hidden_layers=3, num_key_value_heads=2,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=16,
+        hybrid_override_pattern="M*-", head_dim=16), "ids"),
+    "jamba": (
+        "JambaConfig", "JambaModel", dict(D, num_key_value_heads=2, mamba_d_state=8,
+        mamba_expand=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1), "ids"),
     "recurrent_gemma": (
         "RecurrentGemmaConfig", "RecurrentGemmaModel", dict(hidden_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=1, vocab_size=256, lru_width=64,
