@@ -11,6 +11,10 @@ Cases:
   positions-4k   the same on [64, 4096]
   scan-bf16   ``cumsum(x * 0.5, -1).to(bf16)`` of a bf16 [4096, 4096] (read 2 B, write 2 B)
   scan-grad   forward and backward of ``cumsum(x, -1).sin()``, bf16 [1024, 2048]
+  scan-dim1   ``cumsum(x * 0.5, 1).to(bf16)`` of a bf16 [16, 2048, 512]: a scan over a middle
+              dim (passes/scan_dims.py: rows of 2048 lying 512 apart)
+  segsum      Mamba2's ``segment_sum`` then exp (transformers' PyTorch path) of fp32 decays
+              [4, 32, 4, 256]: [l, l] blocks of 256, ``cumsum(dim=-2)``; writes 134 MB
 """
 from __future__ import annotations
 
@@ -33,6 +37,19 @@ def scan_grad(x):
     return torch.cumsum(x, -1).sin()
 
 
+def scan_dim1(x):
+    return torch.cumsum(x * 0.5, 1).to(torch.bfloat16)
+
+
+def segsum(a):
+    n = a.size(-1)
+    t = a[..., None].expand(*a.size(), n)
+    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=-1)
+    s = torch.cumsum(t.masked_fill(~below, 0), dim=-2)
+    keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
+    return torch.exp(s.masked_fill(~keep, -torch.inf))
+
+
 def _copy_bandwidth() -> float:
     """Bytes a second of a bf16 copy of 1 GiB (read + write)."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
@@ -44,6 +61,7 @@ def _copy_bandwidth() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cases", nargs="*", default=None, help="some cases only (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = _copy_bandwidth()
@@ -58,8 +76,15 @@ def main() -> None:
         "scan-grad": (scan_grad, lambda: (torch.randn(1024, 2048, device="cuda",
                                                       dtype=torch.bfloat16).requires_grad_(),),
                       None, True),
+        "scan-dim1": (scan_dim1, lambda: (torch.randn(16, 2048, 512, device="cuda",
+                                                      dtype=torch.bfloat16),),
+                      16 * 2048 * 512 * 4, False),
+        "segsum": (segsum, lambda: (-torch.rand(4, 32, 4, 256, device="cuda"),),
+                   4 * 32 * 4 * 256 * 256 * 4, False),
     }
     for name, (fn, make, floor_bytes, grad) in cases.items():
+        if args.cases and name not in args.cases:
+            continue
         inputs = make()
         variants = {"eager": fn}
         for backend in ("inductor", "fusion"):
