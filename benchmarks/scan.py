@@ -12,7 +12,8 @@ Cases:
   scan-bf16   ``cumsum(x * 0.5, -1).to(bf16)`` of a bf16 [4096, 4096] (read 2 B, write 2 B)
   scan-grad   forward and backward of ``cumsum(x, -1).sin()``, bf16 [1024, 2048]
   scan-dim1   ``cumsum(x * 0.5, 1).to(bf16)`` of a bf16 [16, 2048, 512]: a scan over a middle
-              dim (passes/scan_dims.py: rows of 2048 lying 512 apart)
+              dim (passes/scan_dims.py: rows of 2048 lying 512 apart); also timed with ATen's
+              cumsum (``fusion-aten-scan``: the pass off)
   segsum      Mamba2's ``segment_sum`` then exp (transformers' PyTorch path) of fp32 decays
               [4, 32, 4, 256]: [l, l] blocks of 256, ``cumsum(dim=-2)``; writes 134 MB
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import types
 
 import torch
 from triton.testing import do_bench
@@ -48,6 +50,19 @@ def segsum(a):
     s = torch.cumsum(t.masked_fill(~below, 0), dim=-2)
     keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
     return torch.exp(s.masked_fill(~keep, -torch.inf))
+
+
+def _without_scan_dims(f):
+    """``f`` run with passes/scan_dims.py off (its first call compiles)."""
+    from fusion_compiler.passes import scan_dims
+
+    def call(*args):
+        run, scan_dims.run = scan_dims.run, lambda gm, ctx: 0
+        try:
+            return f(*args)
+        finally:
+            scan_dims.run = run
+    return call
 
 
 def _copy_bandwidth() -> float:
@@ -90,6 +105,11 @@ def main() -> None:
         for backend in ("inductor", "fusion"):
             torch._dynamo.reset()
             variants[backend] = torch.compile(fn, backend=backend)
+        if name in ("scan-dim1", "segsum"):
+            # the same, with ATen's cumsum (scan_dims off): as before it. A copy of the code
+            # object: Dynamo keeps compiled code on it, and both variants are fusion's
+            variants["fusion-aten-scan"] = _without_scan_dims(torch.compile(
+                types.FunctionType(fn.__code__.replace(), fn.__globals__), backend="fusion"))
 
         def run(f, ins):
             out = f(*ins)

@@ -91,8 +91,9 @@ FALLBACK = {
                              torch.randn(16, device=d)), "aten.index_put", 2),
     "cumprod": (lambda a: torch.cumprod(a * 0.5, -1).softmax(-1),
                 lambda d: (torch.randn(8, 16, device=d),), "aten.cumprod", 2),
+    # rows of 16 lying 8 apart, side by side in runs of 8: ATen's (passes/scan_dims.py)
     "cumsum-dim0": (lambda a: torch.cumsum(a * 2, 0).softmax(-1),
-                    lambda d: (torch.randn(8, 16, device=d),), "aten.cumsum", 2),
+                    lambda d: (torch.randn(16, 8, device=d),), "aten.cumsum", 2),
     "complex64": (lambda a: ((a * 3).to(torch.complex64) * 2).real + 1,
                   lambda d: (torch.randn(8, 16, device=d),), "aten.mul", 1),
     "complex-abs": (lambda a, b: torch.complex(a.exp(), b * 2).abs().softmax(-1),

@@ -198,7 +198,8 @@ def test_a_scan_read_at_another_position_is_its_own_kernel(device):
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("shape,dim", [((37, 19), 0), ((3, 23, 17), 1), ((4, 5, 6, 16), 1),
-                                       ((29, 4, 5), 0), ((3, 11, 2, 3, 9), -3)], ids=str)
+                                       ((29, 4, 5), 0), ((3, 11, 2, 3, 9), -3), ((17, 17), 0),
+                                       ((2, 16, 3, 16), 1)], ids=str)
 def test_a_cumsum_over_another_dim_scans_strided_rows(shape, dim, dtype, device):
     """A cumsum over a dim other than the last: a row kernel over the permuted view's rows,
     with its producer and reader, the result in ATen's contiguous layout (passes/scan_dims.py).
@@ -236,13 +237,14 @@ def test_integer_prefix_sums_over_the_first_dim_are_exact(mask_dtype, device):
     assert out.dtype == want.dtype == torch.int64 and torch.equal(out, want)
 
 
+@pytest.mark.parametrize("shape", [(5, 23, 17), (3, 19, 19)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_gradient_of_a_cumsum_over_another_dim_is_one_kernel(dtype, device):
+def test_a_gradient_of_a_cumsum_over_another_dim_is_one_kernel(shape, dtype, device):
     """The backward's flipped cumsum over dim 1 of the flipped gradient: a reverse scan over
     the permuted rows, one kernel each way. Against eager in fp32, rounded: eager's CUDA scan
     adds bf16 in bf16 (on an H100, one gradient of 23 terms off by 0.33 where the kernel's
     fp32 sum was within an ulp)."""
-    x = randn((5, 23, 17), dtype, device).requires_grad_()
+    x = randn(shape, dtype, device).requires_grad_()
     f = lambda a: torch.cumsum(a, 1).sin()     # noqa: E731
     torch._dynamo.reset()
     with fusion_compiler.capture_compiles() as reports:
@@ -251,7 +253,7 @@ def test_a_gradient_of_a_cumsum_over_another_dim_is_one_kernel(dtype, device):
     x32 = x.detach().float().requires_grad_()
     want = f(x32)
     want.sum().backward()
-    atol, rtol = _scan_tol(dtype, 23)
+    atol, rtol = _scan_tol(dtype, shape[1])
     assert_close(out, want.to(dtype), dtype=dtype, atol=atol, rtol=rtol)
     assert_close(x.grad, x32.grad.to(dtype), dtype=dtype, atol=4 * atol, rtol=4 * rtol,
                  name="grad")
@@ -260,12 +262,13 @@ def test_a_gradient_of_a_cumsum_over_another_dim_is_one_kernel(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_mamba2_segment_sums_are_two_kernels(dtype, device):
+def test_mamba2_segment_sums_are_one_kernel(dtype, device):
     """transformers' Mamba2 ``segment_sum`` (its PyTorch path, which torch.compile traces):
     the chunk's decays expanded to [l, l], masked, summed down the columns (``cumsum(dim=-2)``),
-    masked with -inf, exp. The masked expand and the scan are one kernel, which writes the
-    sums row by row; the mask and exp read them transposed (the square [l, l] block: a kernel
-    of their own). Before, ATen's cumsum and the masked expand written out for it."""
+    masked with -inf, exp: one kernel over the columns as rows, storing the [l, l] block in its
+    own layout (a square transposition: the rows take a leading dim of 1). Before, the masked
+    expand written out, ATen's cumsum, and a kernel for the mask and exp (H100, [4, 32, 4, 256]
+    decays: 287 us, Inductor's one kernel 51 us; `benchmarks/scan.py --cases segsum`)."""
     x = -randn((2, 3, 2, 20), dtype, device).abs()
 
     def f(a):
@@ -276,8 +279,8 @@ def test_mamba2_segment_sums_are_two_kernels(dtype, device):
         keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
         return torch.exp(s.masked_fill(~keep, -torch.inf))
     out, reports = compile_and_run(f, (x,))
-    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
-    assert sorted(k["label"] for k in reports[0].kernels) == ["cumsum", "pointwise"]
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert [k["label"] for k in reports[0].kernels] == ["cumsum"]
     atol, rtol = _scan_tol(dtype, 20)
     # against eager in fp32, rounded (eager's CUDA scan adds bf16 in bf16)
     assert_close(out, f(x.float()).to(dtype), dtype=dtype, atol=atol, rtol=rtol)
