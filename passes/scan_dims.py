@@ -14,10 +14,10 @@ a row kernel over rows of C elements lying prod(T) apart, consecutive rows side 
 readers: what has another shape than the rows is evaluated and stored at the index its views
 pull the rows to (``codegen/row_outputs.py``). The clone gives the result ATen's contiguous
 layout. Where the permuted rows have the result's own shape (a square transposition: Mamba2's
-[l, l] blocks) they take a leading dim of 1, which the scan's result drops again: else its
-readers would be evaluated at the rows' own index and read the scan transposed, which a row
-kernel refuses (on an H100, Mamba2's segment sum of [4, 32, 4, 256] decays took 209 us in two
-kernels that way, against 287 us with ATen's cumsum and Inductor's 51 us in one).
+[l, l] blocks) they take a leading dim of 1 (``trailing_dims.rows_of``, as middle_dims' rows
+do), which the scan's result drops again: else its readers went to a kernel of their own (on
+an H100, Mamba2's segment sum of [4, 32, 4, 256] decays took 209 us in two kernels that way,
+against 287 us with ATen's cumsum and Inductor's 51 us in one).
 
 Only where the rows read well as strided rows (``middle_dims``' rule: the scanned dim at stride
 1, or runs of at least ``RUN`` consecutive rows side by side), the input has static sizes and
@@ -30,6 +30,7 @@ import torch
 
 from .middle_dims import RUN, _as_rows
 from .pad_gemm import _val, emit
+from .trailing_dims import rows_of
 
 aten = torch.ops.aten
 
@@ -78,19 +79,13 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         order = [i for i in range(x.dim()) if i != d] + [d]
         back = sorted(range(x.dim()), key=order.__getitem__)
         mode = x.fake_mode
-        # rows of the result's own shape (a square transposition, Mamba2's [l, l] blocks) take a
-        # leading dim of 1: a row kernel evaluates what has its rows' shape at its own index,
-        # what has another shape at the index its views pull the rows to (row_outputs)
-        square = list(x.permute(order).shape) == list(x.shape)
         with gm.graph.inserting_before(node):
-            rows = emit(gm, aten.permute.default, (node.args[0], order), mode)
-            if square:
-                rows = emit(gm, aten.unsqueeze.default, (rows, 0), mode)
+            rows = rows_of(gm, node.args[0], aten.permute.default, order, mode)
             scan = gm.graph.call_function(aten.cumsum.default, (rows, -1),
                                           {k: v for k, v in node.kwargs.items() if k != "dim"})
             with mode:
                 scan.meta["val"] = aten.cumsum.default(rows.meta["val"], -1, **scan.kwargs)
-            if square:
+            if rows.target is aten.unsqueeze.default:       # rows_of's leading dim of 1
                 scan = emit(gm, aten.squeeze.dim, (scan, 0), mode)
             out = emit(gm, aten.permute.default, (scan, back), mode)
             out = emit(gm, aten.clone.default, (out,), mode)

@@ -49,14 +49,29 @@ def unfit(node, x):
     return None
 
 
+def rows_of(gm, src, layout_op, layout_arg, mode):
+    """``layout_op(src, layout_arg)`` (a view or a permute of ``src``) added to ``gm``: the rows
+    a row kernel reduces or scans. Where a permute gives them ``src``'s own shape (a square
+    transposition: a channels-first LayerNorm over [N, C, C, C], Mamba2's [l, l] blocks) they
+    take a leading dim of 1. A row kernel evaluates what has its rows' shape at the rows' own
+    index, and what has another shape at the index its views pull the rows to
+    (``codegen/row_outputs.py``: ``alongside``): ``src``'s readers would be evaluated at the
+    rows' index, read the reduction at another row than its own, and go to a kernel of their
+    own (a channels-first LayerNorm over [2, 16, 16, 16]: two kernels, [2, 16, 8, 8]: one)."""
+    rows = emit(gm, layout_op, (src, layout_arg), mode)
+    if list(rows.meta["val"].shape) == list(_val(src).shape):
+        rows = emit(gm, aten.unsqueeze.default, (rows, 0), mode)
+    return rows
+
+
 def as_rows(gm, node, layout_op, layout_arg) -> None:
     """Replace reduction ``node`` by the same reduction over the last dimension of
-    ``layout_op(x, layout_arg)`` (a view or a permute of its input), viewed as ``node``'s
-    result where its shape differs (dims kept, or of size 1)."""
+    ``rows_of(x, ...)`` (a view or a permute of its input), viewed as ``node``'s result where
+    its shape differs (dims kept, or of size 1)."""
     shape = list(node.meta["val"].shape)
     mode = _val(node.args[0]).fake_mode
     with gm.graph.inserting_before(node):
-        rows = emit(gm, layout_op, (node.args[0], layout_arg), mode)
+        rows = rows_of(gm, node.args[0], layout_op, layout_arg, mode)
         out = emit(gm, node.target, (rows, [-1]), mode)
         if list(out.meta["val"].shape) != shape:
             out = emit(gm, aten.view.default, (out, shape), mode)

@@ -21,14 +21,16 @@ def _layer_norm_2d(x, w, b):
     return w[:, None, None] * x + b[:, None, None]
 
 
+@pytest.mark.parametrize("shape", [(3, 37, 7, 9), (2, 16, 16, 16)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_channels_first_layer_norm_is_one_kernel(dtype, device):
+def test_a_channels_first_layer_norm_is_one_kernel(dtype, shape, device):
     """Both means and the normalisation in one row kernel over the channels (rows of 37 lying
     63 apart, 7 x 9 positions side by side), which stores the [N, C, H, W] output where it
     reads x (codegen/row_outputs.alongside); before, the means ran on ATen beside two
-    pointwise kernels."""
-    x = randn((3, 37, 7, 9), dtype, device)
-    w, b = randn((37,), dtype, device), randn((37,), dtype, device)
+    pointwise kernels. [2, 16, 16, 16] permuted is its own shape: its rows take a leading dim
+    of 1 (trailing_dims.rows_of), else the normalisation went to a second kernel."""
+    x = randn(shape, dtype, device)
+    w, b = randn((shape[1],), dtype, device), randn((shape[1],), dtype, device)
     out, reports = compile_and_run(_layer_norm_2d, (x, w, b))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert [k["label"] for k in reports[0].kernels] == ["layernorm"]
@@ -57,14 +59,15 @@ CHANNEL_OPS = {
 }
 
 
+@pytest.mark.parametrize("shape", [(2, 19, 5, 7), (3, 24, 24)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CHANNEL_OPS)
-def test_row_ops_over_the_channels_are_one_kernel(case, dtype, device):
+def test_row_ops_over_the_channels_are_one_kernel(case, dtype, shape, device):
     """A softmax, a log-softmax and an RMSNorm over dim 1 of [N, C, H, W] (a segmentation
-    head's softmax over classes): each one kernel, its output stored at the [N, C, H, W]
-    positions the rows read."""
+    head's softmax over classes), and over the middle dim of a square [N, C, C]: each one
+    kernel, its output stored at the positions the rows read."""
     fn, label = CHANNEL_OPS[case]
-    x = randn((2, 19, 5, 7), dtype, device)
+    x = randn(shape, dtype, device)
     out, reports = compile_and_run(fn, (x,))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert [k["label"] for k in reports[0].kernels] == [label]
