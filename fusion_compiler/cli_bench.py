@@ -83,9 +83,10 @@ def command(args) -> int:
                     targets.append(_model_target(name, args.dtype))
         results = bench.run(targets, backends, args.mode, args.output,
                             breakdown=args.breakdown, rounds=args.rounds or bench.ROUNDS)
-        if bench.failed(results):
+        failed = bench.failed(results)
+        if failed:
             print("fusion-compiler: error: bench: failed on "
-                  + ", ".join(f"{n} ({b})" for n, b in bench.failed(results))
+                  + ", ".join(f"{n} ({b})" for n, b in failed)
                   + "; the table has the other backends' numbers", file=sys.stderr)
             return 1
     except Exception as exc:        # noqa: BLE001 - one line unless --debug
