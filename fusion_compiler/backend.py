@@ -51,6 +51,8 @@ class CompileContext:
     launchers: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
+    # (sum's node name, batch, M, K, N): summed broadcast products run as bmm, contractions
+    contractions: list = field(default_factory=list)
     empty_values: list = field(default_factory=list)    # node names, empty_values
     passed_through: list = field(default_factory=list)  # cats with empty tensors, empty_values
     trimmed_cats: list = field(default_factory=list)    # cats without their empty inputs, empty_values

@@ -170,6 +170,11 @@ def render_table(doc) -> str:
             out += ["", f"computed once, at compile time ({len(s['constants'])} constants, "
                         f"{human_bytes(sum(c['bytes'] for c in s['constants']))}): "
                         + ", ".join(c["node"] for c in s["constants"])]
+        if s.get("contractions"):
+            out += ["", "summed broadcast products run as batched GEMMs (bmm), not reductions "
+                        f"that read the operands again for each output ({len(s['contractions'])}): "
+                        + ", ".join(f"{c['node']} {c['batch']} x [{c['m']}, {c['k']}] @ "
+                                    f"[{c['k']}, {c['n']}]" for c in s["contractions"])]
         if s.get("layout"):
             out += ["", f"convolution activations: {s['layout']} (passes/channels_last.py)"]
         if s.get("inplace"):

@@ -125,6 +125,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "groups": groups, "aten_ops": aten,
         "refused": refused, "edges": edges,
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
+        "contractions": [{"node": name, "batch": b, "m": m, "k": k, "n": n}
+                         for name, b, m, k, n in ctx.contractions],
         "empty": list(ctx.empty_values),
         "inplace": [{"group": g, "output": p, "over": name} for g, p, name in ctx.inplace],
         "input_writes": [{"group": g, "output": p, "into": name}
@@ -146,7 +148,8 @@ def failed(ctx, error: str) -> dict:
     """The summary of a graph the compiler could not compile (it runs on ATen unfused)."""
     return {"kind": ctx.kind, "profile": ctx.profile.name, "layout": ctx.layout, "error": error,
             "groups": [],
-            "aten_ops": [], "refused": [], "edges": [], "constants": [], "empty": [],
+            "aten_ops": [], "refused": [], "edges": [], "constants": [], "contractions": [],
+            "empty": [],
             "inplace": [], "input_writes": [], "passed_through": [], "trimmed_cats": [],
             "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,
                        "bytes_before": 0, "bytes_after": 0,

@@ -151,23 +151,24 @@ def _one_row(x, k: int) -> bool:
     return all(isinstance(d, int) and d == 1 for d in x.shape[:k])
 
 
-def _as_copy(gm, node, x, k: int) -> None:
-    """Sum (or mean) ``node`` over ``x``'s first ``k`` dims, all of size 1, made the copy it
-    is: ``x + 0.0`` (ATen's sum adds to a zero, so -0.0 sums to +0.0; any other value, NaN
+def as_copy(gm, node, dims: list) -> None:
+    """Sum (or mean) ``node`` over ``dims`` of its input, all of size 1, made the copy it is:
+    ``x + 0.0`` (ATen's sum adds to a zero, so -0.0 sums to +0.0; any other value, NaN
     included, is itself), contiguous as the sum's output, at its shape. A pointwise op that
     joins its producer's kernel, where the sum stayed on ATen (a fuzzer's find:
-    ``x.sum(0, keepdim=True)`` of a [1, 3] input)."""
+    ``x.sum(0, keepdim=True)`` of a [1, 3] input), or took a row kernel over rows of one
+    element (Mamba2's ``(G[..., None] * L[..., None]).sum(-1)``, passes/contractions.py)."""
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    mode, rest = x.fake_mode, list(x.shape[k:])
+    mode = _val(node.args[0]).fake_mode
     with gm.graph.inserting_before(node):
-        t = emit(gm, aten.squeeze.dims, (node.args[0], list(range(k))), mode)
+        t = emit(gm, aten.squeeze.dims, (node.args[0], sorted(dims)), mode)
         t = emit(gm, aten.add.Tensor, (t, 0.0), mode)
         copy = gm.graph.call_function(aten.clone.default, (t,),
                                       {"memory_format": torch.contiguous_format})
         with mode:
             copy.meta["val"] = aten.clone.default(_val(t), memory_format=torch.contiguous_format)
         if keepdim:
-            copy = emit(gm, aten.view.default, (copy, [1] * k + rest), mode)
+            copy = emit(gm, aten.view.default, (copy, list(node.meta["val"].shape)), mode)
     copy.meta.update({key: v for key, v in node.meta.items() if key != "val"})
     node.replace_all_uses_with(copy)
     gm.graph.erase_node(node)
@@ -195,7 +196,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             continue
         found = _leading(node)
         if found is not None and _one_row(found[0], found[1]):
-            _as_copy(gm, node, found[0], found[1])
+            as_copy(gm, node, list(range(found[1])))
             done += 1
             continue
         if found is None or found[2] is not None:

@@ -1,0 +1,205 @@
+"""Broadcast products summed over a shared dim (an einsum written out) as batched GEMMs, and
+sums over dims of size 1 as copies (ATen graph, first passes).
+
+transformers' Mamba2 path (the PyTorch one torch.compile traces: Mamba2, Bamba, Granite 4
+hybrid, Falcon-H1, Zamba2, Nemotron-H) writes its chunked scan's contractions as products of
+broadcast operands summed over one dim:
+
+    G = (C[:, :, :, None, :, :] * B[:, :, None, :, :, :]).sum(dim=-1)     # [b, c, l, s, h]
+
+which is, per (b, c, h), a [l, n] @ [n, s] matrix product. Eager writes the whole product out
+(35 GB for Mamba2 at 4 x 1024 tokens); a fused reduction kernel does not, but reads both
+operands again for every output element: 3.1 ms for this one on an H100, where cuBLAS's bmm
+takes tens of microseconds. Such a sum becomes
+
+    a -> permute [batch, M, K] (a copy where that is not a view)  \\
+                                                                    bmm -> [batch, M, N]
+    b -> permute [batch, K, N] (a copy where that is not a view)  /
+
+viewed and permuted back to the sum's dims, a clone giving ATen's contiguous layout. Each dim of
+the product is a batch dim (both operands span it), an M dim (only ``a``; ``b`` broadcast), an
+N dim (only ``b``) or a K dim (summed; both span it). The copies and the clone are pointwise:
+they fuse with the operands' producers and the sum's readers.
+
+Only where the sum over broadcast operands is a real matrix product (M, N and K each at least
+``MIN_DIM`` elements: a product by a vector is a reduction that reads each operand once, fused
+as it is), the operands are fp32, with matmuls in full fp32 (``torch.get_float32_matmul_precision()
+== "highest"``: with TF32 allowed a bmm would round the operands to 10-bit mantissas, where the
+sum of products does not), static sizes, the product read by the sum alone, no dtype argument,
+no summed dim broadcast in an operand. bf16/fp16 stay: eager rounds each product to the dtype
+before summing, a bmm does not. Else the product and sum stay as they are (a fused reduction).
+
+The same code sums over a dim of size 1 (``M = (G[..., None] * L[..., None]).sum(-1)``): each
+output element is its one input element plus 0.0 (ATen's -0.0 sums to +0.0), a copy in the
+sum's layout that fuses with the product (``column_sums.as_copy``), where a reduction kernel
+took a row of one element a program lane.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .column_sums import as_copy
+from .pad_gemm import _val, emit
+
+aten = torch.ops.aten
+
+MIN_DIM = 16        # elements of each of M, N and K (products of their dims)
+
+
+def _plan(node):
+    """(a, b, dims) where ``node`` sums a product of broadcast operands that is a matrix
+    product: dims maps each kind ("batch", "m", "n", "k") to its dims of the product, in order;
+    None where it is not, or the rewrite does not apply (module docstring)."""
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList \
+            or node.kwargs.get("dtype") is not None or len(node.args) < 2 or not node.args[1]:
+        return None                 # (no dims: a sum of every element)
+    prod = node.args[0]
+    if not isinstance(prod, torch.fx.Node) or prod.target is not aten.mul.Tensor \
+            or len(prod.users) != 1 or prod.kwargs:
+        return None
+    a, b = prod.args
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return None
+    va, vb, vp, out = _val(a), _val(b), _val(prod), node.meta.get("val")
+    if any(not isinstance(v, torch.Tensor) for v in (va, vb, vp, out)):
+        return None
+    if not (va.dtype == vb.dtype == vp.dtype == out.dtype == torch.float32) \
+            or torch.get_float32_matmul_precision() != "highest":
+        return None
+    if not all(type(s) is int for v in (va, vb, out) for s in (*v.shape, *v.stride())):
+        return None
+    rank = vp.dim()
+    if va.dim() > rank or vb.dim() > rank or rank == 0:
+        return None
+    summed = {d % rank for d in node.args[1]}
+    sa = (1,) * (rank - va.dim()) + tuple(va.shape)
+    sb = (1,) * (rank - vb.dim()) + tuple(vb.shape)
+    dims = {"batch": [], "m": [], "n": [], "k": []}
+    for d, n in enumerate(vp.shape):
+        if n == 1:
+            continue
+        if d in summed:
+            if sa[d] != n or sb[d] != n:
+                return None         # a summed dim broadcast in an operand
+            dims["k"].append(d)
+        elif sa[d] == n and sb[d] == n:
+            dims["batch"].append(d)
+        elif sa[d] == n:
+            dims["m"].append(d)
+        else:
+            dims["n"].append(d)
+    if any(math.prod(vp.shape[d] for d in dims[kind]) < MIN_DIM for kind in "mnk"):
+        return None
+    return a, b, dims
+
+
+def _unit_sum(node) -> bool:
+    """Whether ``node`` sums a float tensor over dims of size 1 only, in its own dtype: each
+    output element is its one input element (Mamba2's ``M = (G[..., None] * L[..., None])
+    .sum(-1)``: a row kernel over 33.5M rows of one element took 608 us on an H100)."""
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList \
+            or len(node.args) < 2 or not node.args[1] or node.kwargs.get("dtype") is not None:
+        return False
+    x, out = _val(node.args[0]), node.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) \
+            or not x.dtype.is_floating_point or out.dtype != x.dtype or x.dim() == 0:
+        return False
+    return all(type(x.shape[d]) is int and x.shape[d] == 1 for d in node.args[1])
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> int:
+    """Rewrite ``gm``'s summed broadcast products that are matrix products as bmm calls, and
+    its sums over dims of size 1 as copies, in place; each bmm named in
+    ``ctx.contractions``. How many."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if _unit_sum(node):
+            rank = _val(node.args[0]).dim()
+            as_copy(gm, node, sorted({d % rank for d in node.args[1]}))
+            done += 1
+            continue
+        found = _plan(node)
+        if found is None:
+            continue
+        a, b, dims = found
+        prod = node.args[0]
+        vp = _val(prod)
+        shape = tuple(vp.shape)
+        size = {kind: math.prod(shape[d] for d in ds) for kind, ds in dims.items()}
+        mode = vp.fake_mode
+        with gm.graph.inserting_before(node):
+            left = _operand(gm, a, shape, dims["batch"] + dims["m"] + dims["k"],
+                            [size["batch"], size["m"], size["k"]], mode)
+            right = _operand(gm, b, shape, dims["batch"] + dims["k"] + dims["n"],
+                             [size["batch"], size["k"], size["n"]], mode)
+            mm = emit(gm, aten.bmm.default, (left, right), mode)
+            kept = dims["batch"] + dims["m"] + dims["n"]
+            out = emit(gm, aten.view.default, (mm, [shape[d] for d in kept]), mode)
+            order = sorted(range(len(kept)), key=kept.__getitem__)
+            if order != list(range(len(kept))):
+                out = emit(gm, aten.permute.default, (out, order), mode)
+            want = node.meta["val"]
+            ones = _ones(node, shape)
+            for d in ones:          # the sum's sizes of 1: the product's, keepdim's
+                out = emit(gm, aten.unsqueeze.default, (out, d), mode)
+            if out.meta["val"].stride() != want.stride():
+                out = emit(gm, aten.clone.default, (out,), mode)
+                with mode:          # ATen's layout (a clone of a permuted tensor keeps its strides)
+                    out.meta["val"] = torch.empty_strided(want.shape, want.stride(),
+                                                          dtype=want.dtype, device=want.device)
+                out.kwargs = {"memory_format": torch.contiguous_format}
+        out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(prod)
+        ctx.contractions.append((node.name, size["batch"], size["m"], size["k"], size["n"]))
+        done += 1
+    return done
+
+
+def _operand(gm, x, shape, order, sizes, mode):
+    """``x`` (broadcast to ``shape``) as a [batch, rows, cols] tensor: its dims ``order`` first,
+    its broadcast dims (sizes of 1) after them, permuted there and merged; copied contiguous
+    where that is not a view."""
+    v = _val(x)
+    full = (1,) * (len(shape) - v.dim()) + tuple(v.shape)
+    if v.dim() < len(shape):
+        x = emit(gm, aten.view.default, (x, list(full)), mode)
+    rest = [d for d in range(len(shape)) if d not in order]     # its sizes of 1
+    perm = order + rest
+    if perm != list(range(len(shape))):
+        x = emit(gm, aten.permute.default, (x, perm), mode)
+    if not _viewable(_val(x), sizes):
+        x = emit(gm, aten.clone.default, (x,), mode)
+        with mode:
+            x.meta["val"] = torch.empty(tuple(_val(x).shape), dtype=v.dtype, device=v.device)
+        x.kwargs = {"memory_format": torch.contiguous_format}
+    return emit(gm, aten.view.default, (x, sizes), mode)
+
+
+def _viewable(v, sizes) -> bool:
+    """Whether ``v`` (a fake tensor) can be viewed as ``sizes``."""
+    with v.fake_mode:
+        try:
+            v.view(sizes)
+        except (RuntimeError, ValueError):
+            return False
+    return True
+
+
+def _ones(node, shape) -> list:
+    """The positions of the sum's sizes of 1 in its result (the product's dims of size 1 that
+    are not summed, and the summed dims where it keeps them), in increasing order."""
+    rank = len(shape)
+    summed = {d % rank for d in node.args[1]}
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    ones, pos = [], 0
+    for d, n in enumerate(shape):
+        if d in summed and not keepdim:
+            continue
+        if d in summed or n == 1:
+            ones.append(pos)
+        pos += 1
+    return ones
