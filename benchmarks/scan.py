@@ -15,7 +15,9 @@ Cases:
               dim (passes/scan_dims.py: rows of 2048 lying 512 apart); also timed with ATen's
               cumsum (``fusion-aten-scan``: the pass off)
   segsum      Mamba2's ``segment_sum`` then exp (transformers' PyTorch path) of fp32 decays
-              [4, 32, 4, 256]: [l, l] blocks of 256, ``cumsum(dim=-2)``; writes 134 MB
+              [4, 32, 4, 256]: [l, l] blocks of 256, ``cumsum(dim=-2)``; writes 134 MB; also
+              with its two ``tril`` masks folded into constants the kernel loads
+              (``fusion-folded-masks``, as before kernels computed them from their index)
 """
 from __future__ import annotations
 
@@ -65,6 +67,20 @@ def _without_scan_dims(f):
     return call
 
 
+def _with_folded_masks(f):
+    """``f`` run with its aranges' masks folded into constants that the kernel loads (as before
+    kernels computed them from their index; its first call compiles)."""
+    from fusion_compiler.passes import constant_fold
+
+    def call(*args):
+        made, constant_fold._from_index = constant_fold._from_index, lambda values: set()
+        try:
+            return f(*args)
+        finally:
+            constant_fold._from_index = made
+    return call
+
+
 def _copy_bandwidth() -> float:
     """Bytes a second of a bf16 copy of 1 GiB (read + write)."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
@@ -109,6 +125,9 @@ def main() -> None:
             # the same, with ATen's cumsum (scan_dims off): as before it. A copy of the code
             # object: Dynamo keeps compiled code on it, and both variants are fusion's
             variants["fusion-aten-scan"] = _without_scan_dims(torch.compile(
+                types.FunctionType(fn.__code__.replace(), fn.__globals__), backend="fusion"))
+        if name == "segsum":
+            variants["fusion-folded-masks"] = _with_folded_masks(torch.compile(
                 types.FunctionType(fn.__code__.replace(), fn.__globals__), backend="fusion"))
 
         def run(f, ins):

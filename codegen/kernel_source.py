@@ -17,7 +17,7 @@ from .launcher import checks_indices, py_expr
 from .lowered import COL, LoweredKernel
 from .resident import resident_phases
 from .row_loops import RED_FINAL, RED_INIT, column_loop, evicting, row_result, split_phases
-from .statements import all_stores, loads_first, select_preds, store_value
+from .statements import all_stores, index_values, loads_first, select_preds, store_value
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
@@ -61,7 +61,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     row = lk.kind == "row"
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
-    exprs += list(preds)
+    exprs += list(preds) + index_values(lk)
     syms = lk.iter_syms[:-1] if row else lk.iter_syms
     sizes = list(lk.shape[:-1]) if row else list(lk.shape)
     if not row:
@@ -212,6 +212,10 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             return [f"{stmt[1].name} = {stmt[2]}"]
         if kind == "assert":
             return [f"tl.device_assert({stmt[1]}, {stmt[2]!r})"]
+        if kind == "index":     # a value of the index (an arange): a block of it, or a scalar
+            var = stmt[1]
+            return [f"{var.name} = (tl.full([1], 0, tl.int64) + ({print_expr(idx(stmt[2]))}))"
+                    f".to({ops.reg_dtype(var.dtype)})"]
         if kind == "select":
             var, parts = stmt[1], stmt[2]
             expr = ops.cast(parts[-1][1].name, parts[-1][1].dtype, var.dtype)

@@ -351,6 +351,8 @@ class Lowering(PointwiseLowering):
             return self._pad(vid, args, kw, index, preds)
         if t in ("aten.full_like.default", "aten.scalar_tensor.default", "aten.full.default"):
             return self._constant(args[0], out.dtype)  # shape and dtype: the IR value's
+        if t in ARANGES:
+            return self._arange(args, out.dtype, index)
         if t == "aten.embedding.default":
             return self._embedding(args, index, preds)
         if t == "aten.gather.default":
@@ -484,6 +486,16 @@ class Lowering(PointwiseLowering):
         self._emit_to(row_level, ("select", var, parts))
         return var
 
+    def _arange(self, args, dtype, index) -> Var:
+        """``arange(start, end, step)`` (integers) at ``index``: start + step * i, from the
+        kernel's index, no memory read."""
+        start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+        expr = sympy.expand(start + step * index[0])
+        row_level = self.kind != "row" or expr.has(*self.per_element)
+        var = Var(self._name("iota"), dtype, row_level)
+        self._emit_to(row_level, ("index", var, expr))
+        return var
+
     def _constant(self, value, dtype) -> Var:
         return self._assign(f"tl.full([1], {self._as(value, dtype)}, {ops.reg_dtype(dtype)})",
                             dtype, self.kind != "row")
@@ -529,6 +541,9 @@ class Lowering(PointwiseLowering):
     def _name(self, prefix):
         self.counter += 1
         return f"{prefix}{self.counter}"
+
+
+ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
 
 
 def _short(target: str) -> str:

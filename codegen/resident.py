@@ -11,7 +11,7 @@ import re
 
 from . import launch as rules
 from .row_loops import RED_FINAL, RED_INIT, RED_STEP
-from .statements import NAME, direct_loads, registers, uses
+from .statements import DEFINES, NAME, direct_loads, registers, uses
 
 
 class NotHeld(Exception):
@@ -37,7 +37,7 @@ def resident_phases(lk, stmt_lines, n, pad, shifted):
     if not rules.resident_fits(chunks, _held_values(lk)):
         raise NotHeld
     names = sorted({st[1].name for ph in lk.phases for st in ph.body
-                    if st[0] in ("load", "assign", "select")}
+                    if st[0] in DEFINES}
                    | {"cols", "vcols", "cmask", "mask"}, key=len, reverse=True)
     # not a keyword argument (``mask=``)
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b(?!=[^=])")
@@ -58,7 +58,7 @@ def resident_phases(lk, stmt_lines, n, pad, shifted):
     # a store goes out where its value is made, not where the lowering put it (after the
     # reductions): the value is not kept in registers across them
     body = [st for ph in lk.phases for st in ph.body]
-    made = {st[1].name: k for k, st in enumerate(body) if st[0] in ("load", "assign", "select")}
+    made = {st[1].name: k for k, st in enumerate(body) if st[0] in DEFINES}
     after = {}
     for st in body:
         if st[0] == "store":
@@ -107,7 +107,7 @@ def _held_values(lk) -> float:
             if st[0] != "store":
                 for name in uses(st):
                     last[name] = i
-            if st[0] in ("load", "assign", "select"):
+            if st[0] in DEFINES:
                 defined[st[1].name] = i
         for _, _, _, src in ph.reductions:
             for name in NAME.findall(src.name):

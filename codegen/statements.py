@@ -25,9 +25,12 @@ def direct_loads(stmts: list, regs: set) -> list:
     return [st for st in stmts if direct(st)]
 
 
+DEFINES = ("load", "assign", "select", "index")     # statements that define a register
+
+
 def registers(stmts) -> set:
     """The register names ``stmts`` define."""
-    return {st[1].name for st in stmts if st[0] in ("load", "assign", "select")}
+    return {st[1].name for st in stmts if st[0] in DEFINES}
 
 
 def loads_first(stmts: list) -> list:
@@ -170,6 +173,13 @@ def all_stores(lk):
     yield from (s for s in lk.tail if s[0] == "store")
 
 
+def index_values(lk) -> list:
+    """The index expressions of the kernel's aranges (``index`` statements): the dims they walk
+    may not be merged with others, as an address's may not (kernel_source's coalescing)."""
+    return [s[2] for ph in lk.phases for s in ph.outer + ph.body if s[0] == "index"] + [
+        s[2] for s in lk.tail if s[0] == "index"]
+
+
 def select_preds(lk):
     preds = set()
     for ph in lk.phases:
@@ -181,7 +191,12 @@ def select_preds(lk):
 
 
 def element_registers(lk) -> int:
-    """32-bit registers the per-element loads of a row kernel take for each element of its
-    block: one a load, two an 8-byte one (an int64 index)."""
-    return sum(2 if lk.ir.inputs[i].dtype.itemsize == 8 else 1
-               for var, i, _, _ in lk.loads if var.row_level)
+    """32-bit registers the per-element loads and index values of a row kernel take for each
+    element of its block: one a load, two an 8-byte one (an int64 index)."""
+    loads = sum(2 if lk.ir.inputs[i].dtype.itemsize == 8 else 1
+                for var, i, _, _ in lk.loads if var.row_level)
+    # an arange's values per element (a max pool's window positions, which were a folded
+    # constant's loads before kernels computed them from their index): one each, computed
+    # where they are read (ResNet's stem backward then loops in steps of 1024, as it did)
+    return loads + sum(1 for ph in lk.phases for st in ph.outer + ph.body
+                       if st[0] == "index" and st[1].row_level)

@@ -27,6 +27,7 @@ class OpKind(enum.Enum):
     OPAQUE = "opaque"          # GEMM, attention, anything else: stays on ATen
 
 
+ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 _POINTWISE = [
     aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar,
     aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode,
@@ -49,6 +50,7 @@ _POINTWISE = [
     aten.full_like.default,     # a constant: reads only its input's shape (groups.tensor_args)
     aten.scalar_tensor.default,     # a 0-dim constant (`where(c, x, -inf)` on CUDA)
     aten.full.default,  # a constant, where a kernel reads it (_read_by_kernels); else ATen's
+    *ARANGES,   # ditto, of integers: a value of the kernel's index (a mask's row, column)
 ]
 _VIEW = [
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
@@ -128,6 +130,10 @@ def kind_of(node: torch.fx.Node, hints: dict) -> OpKind:
         return OpKind.OPAQUE
     if node.target is aten.full.default and not _read_by_kernels(node, info.device):
         return OpKind.OPAQUE
+    if node.target in ARANGES and (info.dtype.is_floating_point
+                                   or not all(type(a) is int for a in node.args)
+                                   or not _read_by_kernels(node, info.device)):
+        return OpKind.OPAQUE        # float aranges: ATen's own rounding of start + i * step
     return kind
 
 

@@ -61,8 +61,9 @@ MAX_BYTES = 16 << 20
 PREFIX = "_fc_constant"
 UNINITIALIZED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 # factories: results made from their (constant) arguments alone
-FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
-             aten.zeros.default, aten.ones.default, aten.scalar_tensor.default}
+ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+FACTORIES = {*ARANGES, aten.full.default, aten.zeros.default, aten.ones.default,
+             aten.scalar_tensor.default}
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -91,11 +92,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         return gm
     _consecutive_embeddings(gm, values)
     _constant_picks(gm, values)
+    made = _from_index(values)
     while True:
         kept = [n for n in values if any(u not in values for u in n.users)]
         # a value that is, or is aliased by, an output is computed at run time; so is a lone
-        # factory call, which a kernel reading it computes for free (a literal, an index)
-        left = [n for n in kept if reaches_output(n, outputs) or n.target in FACTORIES]
+        # factory call, which a kernel reading it computes for free (a literal, an index), and
+        # a mask made of aranges that only kernels read (they compute it from their index)
+        left = [n for n in kept if reaches_output(n, outputs) or n.target in FACTORIES
+                or (n in made and _read_by_kernels(n, values))]
         if not left:
             break
         for n in left:
@@ -110,6 +114,51 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         log.info("fusion-compiler: %d constant tensors computed at compile time (%d nodes)",
                  len(kept), len(values))
     return gm
+
+
+# views and integer/bool arithmetic a kernel computes from its index: a mask made of aranges
+# (``tril(ones(n, n))`` is traced as ``arange(n)[None, :] - arange(n)[:, None] <= k``)
+INDEX_OPS = {
+    aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.permute.default,
+    aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.alias.default,
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
+    aten.mul.Scalar, aten.neg.default, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor,
+    aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
+    aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar, aten.bitwise_not.default,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_not.default,
+    aten.logical_and.default, aten.logical_or.default, aten.minimum.default,
+    aten.maximum.default}
+# and what selects or casts exact values into a float mask (``where(causal, 0, -inf)``)
+SELECTING = {aten.where.self, aten.masked_fill.Scalar, aten._to_copy.default}
+
+
+def _from_index(values: dict) -> set:
+    """The folded values a kernel computes from its index alone: integer aranges, constants,
+    and integer/bool arithmetic and views of them, selections and casts of those."""
+    made = set()
+    for node in values:             # in graph order: inputs first
+        dtype = values[node].dtype
+        if node.target in FACTORIES:
+            ok = not (node.target in ARANGES and dtype.is_floating_point)
+        elif node.target in INDEX_OPS:
+            ok = not dtype.is_floating_point and not dtype.is_complex
+        else:
+            ok = node.target in SELECTING
+        if ok and all(a in made for a in node.all_input_nodes):
+            made.add(node)
+    return made
+
+
+def _read_by_kernels(node, values: dict) -> bool:
+    """Whether every reader of ``node`` that is not folded too is an op a kernel computes (a
+    pointwise op, a reduction, a scan; classify.OP_KINDS) on ``node``'s device."""
+    from .classify import OP_KINDS, OpKind
+
+    device = node.meta["val"].device
+    return all(OP_KINDS.get(u.target, OpKind.OPAQUE) is not OpKind.OPAQUE
+               and isinstance(u.meta.get("val"), torch.Tensor)
+               and u.meta["val"].device == device
+               for u in node.users if u not in values)
 
 
 def factories(gm: torch.fx.GraphModule) -> int:

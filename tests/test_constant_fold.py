@@ -94,9 +94,10 @@ def test_a_mask_built_in_every_layer_is_kept_once(monkeypatch, device, dtype, sh
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
-    """``arange`` and ``full`` with constant arguments (a mask's positions) are made when the
-    graph is compiled and read from then on; one returned to the caller, or a view of one, is
-    made on each call (the caller may write to it)."""
+    """``full`` with constant arguments is a literal of the kernel that reads it; a mask made
+    of aranges that only kernels read is computed by them from their index, not kept; a
+    tensor returned to the caller, or a view of one, is made on each call (the caller may
+    write to it): here by the kernel that adds to it."""
     def fn(x, ids):
         pos = torch.arange(0, x.shape[1], device=x.device)
         mask = pos[None, :] <= pos[:, None]                       # causal, from constants
@@ -108,11 +109,15 @@ def test_tensors_made_from_constants_are_made_once(monkeypatch, device, dtype):
     x = torch.randn(7, 7, device=device, dtype=dtype)
     ids = torch.randint(0, 7, (7,), device=device)
     out, reports, (gm,) = _compiled(monkeypatch, fn, (x, ids))
-    # kept: the mask; the scale (a full the kernel reads) and masked_fill's fill value are
-    # literals in the kernel; steps is returned
-    assert torch.ops.aten.full.default not in _calls(gm) and len(_constants(gm)) == 1, gm.code
+    # nothing kept: the mask is computed from the kernel's index; the scale (a full the kernel
+    # reads) and masked_fill's fill value are literals in the kernel; steps is returned
+    assert torch.ops.aten.full.default not in _calls(gm) and len(_constants(gm)) == 0, gm.code
     assert torch.ops.aten.scalar_tensor.default not in _calls(gm)
-    assert kernel_count(reports) == 2                    # scale and mask; steps + 1
+    assert torch.ops.aten.arange.start not in _calls(gm)
+    assert torch.ops.aten.arange.default not in _calls(gm)
+    assert kernel_count(reports) == 2                    # scale and mask; steps and steps + 1
+    sources = [open(k["path"]).read() for r in reports for k in r.kernels]
+    assert sum("iota" in src for src in sources) == 2
     expected = fn(x, ids)
     for a, e in zip(out, expected):
         assert_close(a, e, dtype=a.dtype if a.is_floating_point() else None)
@@ -270,3 +275,74 @@ def test_a_kept_view_keeps_its_layout_on_the_device():
             == (value.shape, value.stride(), value.storage_offset())
         if device.type == "cuda":
             assert torch.equal(moved.cpu(), value)
+
+
+ARANGE_CALLS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+                torch.ops.aten.arange.start_step}
+
+
+def _sources(reports):
+    return [open(k["path"]).read() for r in reports for k in r.kernels]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [37, 64])
+def test_causal_masks_of_aranges_are_computed_by_their_kernel(monkeypatch, device, dtype, n):
+    """``tril(ones)`` / ``triu(ones)`` masks (traced as aranges compared) read only by kernels:
+    computed from the kernel's index, no [n, n] constant loaded (Mamba2's segment sum loaded
+    two; on an H100 the index compares took its kernel from 62 to 48 us, segk.py)."""
+    def fn(x):
+        below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=-1)
+        upper = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=2)
+        s = x.masked_fill(~below, 0).cumsum(-1)
+        return s.masked_fill(upper, -torch.inf).softmax(-1)
+    x = torch.randn(3, n, n, device=device, dtype=dtype)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
+    assert len(_constants(gm)) == 0 and not _calls(gm) & ARANGE_CALLS, gm.code
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    assert all("iota" in src for src in _sources(reports))
+    assert_close(out, fn(x), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_integer_aranges_with_start_and_step_are_kernel_values(monkeypatch, device, dtype):
+    """``arange(start, end, step)`` of integers read by kernels: ``start + step * i`` of the
+    kernel's index, in a pointwise kernel and along a row kernel's row."""
+    def fn(x, y):
+        r = torch.arange(3, 3 + 2 * x.shape[-1], 2, device=x.device, dtype=dtype)
+        c = torch.arange(-5, y.shape[0] - 5, device=x.device, dtype=dtype)
+        return (x + r).sum(-1), y * (c[:, None] * 3 - 1), r * 7
+    x = torch.randn(5, 41, device=device)
+    y = torch.randn(9, 4, device=device)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x, y))
+    assert not _calls(gm) & ARANGE_CALLS, gm.code
+    # three shapes, no input shared: a row kernel and two pointwise kernels, each with its iota
+    assert kernel_count(reports) == 3 and leftover_aten(reports) == []
+    assert all("iota" in src for src in _sources(reports))
+    for a, e in zip(out, fn(x, y)):
+        assert a.dtype == e.dtype
+        if a.is_floating_point():
+            assert_close(a, e)
+        else:
+            assert torch.equal(a, e)
+
+
+def test_a_float_arange_is_not_a_kernel_value(monkeypatch, device):
+    """ATen rounds ``start + i * step`` of a float arange its own way: made by ATen, once."""
+    def fn(x):
+        return x * torch.arange(0.0, 0.1 * x.shape[-1] - 0.05, 0.1, device=x.device)
+    x = torch.randn(4, 30, device=device)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
+    assert not any("iota" in src for src in _sources(reports))
+    assert kernel_count(reports) == 1
+    assert_close(out, fn(x))
+
+
+def test_an_arange_read_by_aten_alone_is_made_once(monkeypatch, device):
+    """Read by no kernel (an index_select): not a kernel's value; made once and kept."""
+    def fn(x):
+        return torch.index_select(x, 0, torch.arange(0, x.shape[0], 2, device=x.device)) * 2
+    x = torch.randn(9, 5, device=device)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
+    assert not _calls(gm) & ARANGE_CALLS, gm.code
+    assert_close(out, fn(x))

@@ -345,8 +345,20 @@ class _Builder:
         d = self.draw
         kind = d(st.sampled_from(["neg", "exp", "tanh", "sigmoid", "rsqrt", "sqrt"]
                                  + (["abs", "relu"] if self._jumps_ok(a) else [])
-                                 + ([] if self.grad else ["cast"])))
+                                 + ([] if self.grad else ["cast"])
+                                 + (["mask"] if len(self.shape(a)) >= 2 else [])))
         b = self.bound(a)
+        if kind == "mask":
+            # a triangular mask of two aranges over two of its dims (tril/triu, a causal
+            # mask): computed from the kernel's index (constant_fold._from_index)
+            sa = self.shape(a)
+            p, q = d(st.lists(st.integers(0, len(sa) - 1), min_size=2, max_size=2, unique=True))
+            vp, vq = [1] * len(sa), [1] * len(sa)
+            vp[p], vq[q] = sa[p], sa[q]
+            cmp, k = d(st.sampled_from(["<=", "<", ">="])), d(st.integers(-2, 2))
+            expr = (f"{a}.masked_fill(torch.arange({sa[p]}, device={a}.device).view({vp}) - "
+                    f"torch.arange({sa[q]}, device={a}.device).view({vq}) {cmp} {k}, 0.0)")
+            return self.add("mask", expr, [a], b)
         if kind == "cast":
             dtype = d(st.sampled_from(DTYPES))
             expr = d(st.sampled_from([f"{a}.to({dtype})"] + {
@@ -704,7 +716,7 @@ def error_bound(prog: Program, vals: dict) -> dict:
         ein = max(es, default=0.0)
         k = op.kind
         if k in ("neg", "abs", "relu", "maximum", "minimum", "amax", "amin", "view", "cat",
-                 "gather", "index_select", "roll", "pad", "flip", "cummax"):
+                 "gather", "index_select", "roll", "pad", "flip", "cummax", "mask"):
             err = ein                                   # exact, Lipschitz 1 (or a selection)
         elif k == "slice_scatter":
             err = 2 * ein                               # a selection of a and a * 2 (exact)
