@@ -9,9 +9,7 @@ Variants: eager; Inductor; fusion (each input element reads the 4 windows that m
 fusion-spread (session 47's form, for each of the 9 window positions a masked read of index
 and gradient; here forced on dilation 1 by replacing ``max_pool._gather_windows``); fusion with
 ATen's pool (``FUSION_COMPILER_MAX_POOL=0``). The AOT cache is off, so that each variant traces
-its own graphs; fusion-folded: the windows' positions (aranges) computed once and loaded
-as constants, as before kernels computed them from their index (``constant_fold._from_index``
-made empty). Gradients are compared with eager's (max abs difference of the input's).
+its own graphs. Gradients are compared with eager's (max abs difference of the input's).
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from fusion_compiler import max_pool  # noqa: E402
-from fusion_compiler.passes import constant_fold  # noqa: E402
 
 
 def stem(x, w, b):
@@ -85,18 +82,9 @@ def main() -> None:
     def own_pool():
         os.environ.pop("FUSION_COMPILER_MAX_POOL", None)
 
-    from_index = constant_fold._from_index
-
-    def folded():
-        constant_fold._from_index = lambda values: set()
-
-    def unfolded():
-        constant_fold._from_index = from_index
-
     variants = {"eager": stem, "inductor": compiled("inductor"), "fusion": compiled("fusion"),
                 "fusion-spread": compiled("fusion", set_spread, unset_spread),
-                "fusion-atenpool": compiled("fusion", aten_pool, own_pool),
-                "fusion-folded": compiled("fusion", folded, unfolded)}
+                "fusion-atenpool": compiled("fusion", aten_pool, own_pool)}
     want = step(stem).double()
     times = {name: [] for name in variants}
     for _ in range(args.rounds):
