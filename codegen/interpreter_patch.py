@@ -122,3 +122,28 @@ def bool_results() -> bool:
     binary_op.fc_bool, binary_op.fc_original = True, original
     builder.binary_op = binary_op
     return True
+
+
+def live_asserts() -> bool:
+    """Make the interpreter test ``tl.device_assert`` as a GPU kernel compiled with ``debug``
+    does (once); False where this Triton's interpreter has no options to set. Its builder's
+    options keep ``debug`` off whatever the kernel asks, so a gather's index check never ran
+    on the CPU: a gather by an index computed from the kernel's index (an arange), unmasked,
+    failed on the GPU only (the lanes past the tensor's end hold indices past it)."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:     # pragma: no cover
+        return False
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not dataclasses.is_dataclass(options) \
+            or not hasattr(options, "debug"):
+        return False
+    if not options.debug:
+        # the asserts alone, as the GPU's launches ask (launcher.py): not debug's checks of
+        # every integer op for overflow (an int8 add wraps, as in eager)
+        extra = {"sanitize_overflow": False} if hasattr(options, "sanitize_overflow") else {}
+        builder.options = dataclasses.replace(options, debug=True, **extra)
+    return True

@@ -210,8 +210,9 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             return store(stmt, evict_stores)
         if kind == "assign":
             return [f"{stmt[1].name} = {stmt[2]}"]
-        if kind == "assert":
-            return [f"tl.device_assert({stmt[1]}, {stmt[2]!r})"]
+        if kind == "assert":      # in the live lanes: masked ones hold any index
+            lanes = ("mask" if stmt[3] else "rmask") if row else "xmask"
+            return [f"tl.device_assert(({stmt[1]}) | ~({lanes}), {stmt[2]!r})"]
         if kind == "index":     # a value of the index (an arange): a block of it, or a scalar
             var = stmt[1]
             return [f"{var.name} = (tl.full([1], 0, tl.int64) + ({print_expr(idx(stmt[2]))}))"

@@ -394,8 +394,10 @@ class Lowering(PointwiseLowering):
         at = sympy.Symbol(i.name, integer=True)
         if i.row_level:
             self.per_element.add(at)
+        # tested in the live lanes only (kernel_source): an index computed from the kernel's
+        # own index (an arange) lies past the tensor in the lanes past its end
         self._emit_to(i.row_level, ("assert", f"(0 <= {i.name}) & ({i.name} < {print_expr(size)})",
-                                    f"{op}: index out of range"))
+                                    f"{op}: index out of range", i.row_level))
         return at, frozenset({_ge(at, 0), _lt(at, size)})
 
     def _reduction_value(self, vid, index):

@@ -48,10 +48,12 @@ def interpreting() -> bool:
 INTERPRET = _requested()        # the mode this module's jit functions were made for
 
 if INTERPRET:
-    from .interpreter_patch import bool_results, cache_dtype_lookup, skip_nested_patching
+    from .interpreter_patch import (bool_results, cache_dtype_lookup, live_asserts,
+                                    skip_nested_patching)
     skip_nested_patching()      # every generated kernel calls these helpers: ~2 ms a call less
     cache_dtype_lookup()
     bool_results()              # masks typed int1 hold booleans (interpreter_patch.py)
+    live_asserts()              # tl.device_assert tested, as on the GPU with debug
 
 
 @triton.jit

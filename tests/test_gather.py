@@ -88,8 +88,9 @@ def test_the_table_is_charged_by_the_rows_read(device):
     assert group["bytes_fused"] == 14 * 64 * 4 + ids.numel() * 8 + 14 * 64 * 4
     (kernel,) = reports[0].kernels
     source = open(kernel["path"]).read()
-    assert "tl.device_assert((0 <= x" in source and "< 5000), 'embedding: index out of range'" \
-        in source
+    # tested in the live lanes only
+    assert "tl.device_assert(((0 <= x" in source \
+        and "< 5000)) | ~(xmask), 'embedding: index out of range'" in source
     assert "debug=True" in source and "sanitize_overflow=False" in source
 
 
