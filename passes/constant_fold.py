@@ -92,18 +92,20 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         return gm
     _consecutive_embeddings(gm, values)
     _constant_picks(gm, values)
-    made = _from_index(values)
+    made, unfolded = _from_index(values), set()
     while True:
         kept = [n for n in values if any(u not in values for u in n.users)]
         # a value that is, or is aliased by, an output is computed at run time; so is a lone
         # factory call, which a kernel reading it computes for free (a literal, an index), and
-        # a mask made of aranges that only kernels read (they compute it from their index)
+        # a mask made of aranges that only kernels read (they compute it from their index),
+        # with what it is made of
         left = [n for n in kept if reaches_output(n, outputs) or n.target in FACTORIES
-                or (n in made and _read_by_kernels(n, values))]
+                or (n in made and _computed_by_kernels(n, values, unfolded))]
         if not left:
             break
         for n in left:
             del values[n]
+        unfolded.update(n for n in left if n in made)
     for node in kept:
         _keep(gm, node, placed(values[node], node))
         ctx.constants.append((node.name, _span_bytes(values[node])))
@@ -149,16 +151,25 @@ def _from_index(values: dict) -> set:
     return made
 
 
-def _read_by_kernels(node, values: dict) -> bool:
-    """Whether every reader of ``node`` that is not folded too is an op a kernel computes (a
-    pointwise op, a reduction, a scan; classify.OP_KINDS) on ``node``'s device."""
+def _computed_by_kernels(node, values: dict, unfolded: set) -> bool:
+    """Whether kernels compute ``node`` (made of aranges, ``_from_index``) from their index:
+    it is part of a mask they compute already (all its readers left in the graph are such
+    parts), or it is a mask (bool, or a float selection of one) whose every reader left in
+    the graph is an op a kernel computes (a pointwise op, a reduction, a scan;
+    classify.OP_KINDS) on its device. Integer values read by the graph stay folded: a max
+    pool's window positions computed so gave wrong gradients on an H100 in bf16/fp16 (not on
+    the CPU, not in fp32; session 58, not understood), loaded they are right."""
     from .classify import OP_KINDS, OpKind
 
+    readers = [u for u in node.users if u not in values]
+    if all(u in unfolded for u in readers):
+        return True
+    if values[node].dtype != torch.bool and not values[node].dtype.is_floating_point:
+        return False
     device = node.meta["val"].device
     return all(OP_KINDS.get(u.target, OpKind.OPAQUE) is not OpKind.OPAQUE
                and isinstance(u.meta.get("val"), torch.Tensor)
-               and u.meta["val"].device == device
-               for u in node.users if u not in values)
+               and u.meta["val"].device == device for u in readers)
 
 
 def factories(gm: torch.fx.GraphModule) -> int:
