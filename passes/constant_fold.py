@@ -164,12 +164,23 @@ def _computed_by_kernels(node, values: dict, unfolded: set) -> bool:
     readers = [u for u in node.users if u not in values]
     if all(u in unfolded for u in readers):
         return True
-    if values[node].dtype != torch.bool and not values[node].dtype.is_floating_point:
+    if not _mask(node):
         return False
     device = node.meta["val"].device
     return all(OP_KINDS.get(u.target, OpKind.OPAQUE) is not OpKind.OPAQUE
                and isinstance(u.meta.get("val"), torch.Tensor)
                and u.meta["val"].device == device for u in readers)
+
+
+def _mask(node) -> bool:
+    """Whether ``node``'s value is a boolean mask, or a float selection or cast of one (not
+    a number computed from aranges: ``_computed_by_kernels``)."""
+    dtype = node.meta["val"].dtype
+    if dtype == torch.bool:
+        return True
+    if not dtype.is_floating_point or node.target not in SELECTING:
+        return False
+    return node.target is not aten._to_copy.default or _mask(node.args[0])
 
 
 def factories(gm: torch.fx.GraphModule) -> int:

@@ -356,3 +356,25 @@ def test_a_gather_by_an_arange_checks_its_index_in_live_lanes_only(monkeypatch, 
     (source,) = _sources(reports)
     assert "iota" in source and "| ~(xmask)" in source
     assert_close(out, fn(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_float_masks_are_computed_and_numbers_of_aranges_are_loaded(monkeypatch, device, dtype):
+    """``where(causal, 0, -inf)`` and a mask cast to float are selections of a boolean mask:
+    computed by the kernel; ``arange(n).float()`` is a number made of an arange: kept, loaded
+    (``constant_fold._mask``)."""
+    def fn(x):
+        n = x.shape[-1]
+        i = torch.arange(n, device=x.device)
+        keep = i[None, :] <= i[:, None]
+        additive = torch.where(keep, 0.0, float("-inf")).to(x.dtype)
+        return (x + additive).softmax(-1) + keep.to(x.dtype), x * i.to(x.dtype)
+    x = torch.randn(3, 20, 20, device=device, dtype=dtype)
+    out, reports, (gm,) = _compiled(monkeypatch, fn, (x,))
+    (kept,) = _constants(gm)
+    assert tuple(kept.meta["val"].shape) in ((20,), (1, 20)) and kept.meta["val"].dtype == dtype
+    assert not _calls(gm) & ARANGE_CALLS, gm.code
+    assert leftover_aten(reports) == []
+    assert any("iota" in src for src in _sources(reports))
+    for a, e in zip(out, fn(x)):
+        assert_close(a, e, dtype=dtype)
