@@ -32,7 +32,7 @@ import torch
 
 from ..decompositions import splits
 from ..slices import dense_order
-from .pad_gemm import _val, emit
+from .pad_gemm import _val, contiguous, emit
 
 aten = torch.ops.aten
 
@@ -163,10 +163,7 @@ def as_copy(gm, node, dims: list) -> None:
     with gm.graph.inserting_before(node):
         t = emit(gm, aten.squeeze.dims, (node.args[0], sorted(dims)), mode)
         t = emit(gm, aten.add.Tensor, (t, 0.0), mode)
-        copy = gm.graph.call_function(aten.clone.default, (t,),
-                                      {"memory_format": torch.contiguous_format})
-        with mode:
-            copy.meta["val"] = aten.clone.default(_val(t), memory_format=torch.contiguous_format)
+        copy = contiguous(gm, t)
         if keepdim:
             copy = emit(gm, aten.view.default, (copy, list(node.meta["val"].shape)), mode)
     copy.meta.update({key: v for key, v in node.meta.items() if key != "val"})

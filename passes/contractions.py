@@ -41,7 +41,7 @@ import math
 import torch
 
 from .column_sums import as_copy
-from .pad_gemm import _val, emit
+from .pad_gemm import _val, contiguous, emit
 
 aten = torch.ops.aten
 
@@ -145,11 +145,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             for d in ones:          # the sum's sizes of 1: the product's, keepdim's
                 out = emit(gm, aten.unsqueeze.default, (out, d), mode)
             if out.meta["val"].stride() != want.stride():
-                out = emit(gm, aten.clone.default, (out,), mode)
-                with mode:          # ATen's layout (a clone of a permuted tensor keeps its strides)
-                    out.meta["val"] = torch.empty_strided(want.shape, want.stride(),
-                                                          dtype=want.dtype, device=want.device)
-                out.kwargs = {"memory_format": torch.contiguous_format}
+                out = contiguous(gm, out)       # ATen's layout
         out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
@@ -172,10 +168,7 @@ def _operand(gm, x, shape, order, sizes, mode):
     if perm != list(range(len(shape))):
         x = emit(gm, aten.permute.default, (x, perm), mode)
     if not _viewable(_val(x), sizes):
-        x = emit(gm, aten.clone.default, (x,), mode)
-        with mode:
-            x.meta["val"] = torch.empty(tuple(_val(x).shape), dtype=v.dtype, device=v.device)
-        x.kwargs = {"memory_format": torch.contiguous_format}
+        x = contiguous(gm, x)
     return emit(gm, aten.view.default, (x, sizes), mode)
 
 

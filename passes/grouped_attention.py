@@ -37,7 +37,7 @@ import operator
 
 import torch
 
-from .pad_gemm import _static, _val
+from .pad_gemm import _static, _val, contiguous
 
 aten = torch.ops.aten
 log = logging.getLogger("fusion_compiler")
@@ -70,7 +70,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         if key is None or value is None or _val(key).shape[1] != _val(value).shape[1]:
             continue
         with gm.graph.inserting_before(node):
-            new = [x if _val(x).is_contiguous() else _contiguous(gm, x) for x in (key, value)]
+            new = [x if _val(x).is_contiguous() else contiguous(gm, x) for x in (key, value)]
         node.update_arg(1, new[0])
         node.update_arg(2, new[1])
         for chain in dict.fromkeys((k, v)):     # one repeat may be both key and value
@@ -80,15 +80,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         log.info("fusion-compiler: %d attentions read grouped key/value heads instead of "
                  "repeated copies", done)
     return done
-
-
-def _contiguous(gm, x):
-    """A contiguous copy of ``x`` (the layout the repeat's clone gave), with its value."""
-    node = gm.graph.call_function(aten.clone.default, (x,),
-                                  {"memory_format": torch.contiguous_format})
-    with _val(x).fake_mode:
-        node.meta["val"] = aten.clone.default(_val(x), memory_format=torch.contiguous_format)
-    return node
 
 
 def _output_only(node) -> bool:

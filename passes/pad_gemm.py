@@ -79,6 +79,16 @@ def emit(gm, op, args, mode):
     return node
 
 
+def contiguous(gm, x):
+    """A contiguous copy of ``x`` (``clone(memory_format=torch.contiguous_format)``: ATen's
+    layout for what a permute or a squeeze left strided), with its value."""
+    node = gm.graph.call_function(aten.clone.default, (x,),
+                                  {"memory_format": torch.contiguous_format})
+    with _val(x).fake_mode:
+        node.meta["val"] = aten.clone.default(_val(x), memory_format=torch.contiguous_format)
+    return node
+
+
 def _meta_value(op, values, mode):
     """``op``'s value on ``values`` from its meta kernel, as a fake tensor of ``mode``; None
     where a value has a symbolic size (a meta tensor cannot) or is not a tensor of ``mode``."""

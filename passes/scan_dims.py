@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .middle_dims import RUN, _as_rows
-from .pad_gemm import _val, emit
+from .pad_gemm import _val, contiguous, emit
 from .trailing_dims import rows_of
 
 aten = torch.ops.aten
@@ -87,11 +87,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
                 scan.meta["val"] = aten.cumsum.default(rows.meta["val"], -1, **scan.kwargs)
             if rows.target is aten.unsqueeze.default:       # rows_of's leading dim of 1
                 scan = emit(gm, aten.squeeze.dim, (scan, 0), mode)
-            out = emit(gm, aten.permute.default, (scan, back), mode)
-            out = emit(gm, aten.clone.default, (out,), mode)
-            with mode:      # ATen's layout (a clone of a permuted tensor keeps its strides)
-                out.meta["val"] = torch.empty_like(node.meta["val"])
-            out.kwargs = {"memory_format": torch.contiguous_format}
+            out = contiguous(gm, emit(gm, aten.permute.default, (scan, back), mode))
         out.meta.update({key: v for key, v in node.meta.items() if key != "val"})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
