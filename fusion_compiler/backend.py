@@ -53,6 +53,8 @@ class CompileContext:
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
     # (sum's node name, batch, M, K, N): summed broadcast products run as bmm, contractions
     contractions: list = field(default_factory=list)
+    # (conv's node name, output shape, taps): depthwise 1-d convolutions as pointwise sums
+    depthwise_convs: list = field(default_factory=list)
     empty_values: list = field(default_factory=list)    # node names, empty_values
     passed_through: list = field(default_factory=list)  # cats with empty tensors, empty_values
     trimmed_cats: list = field(default_factory=list)    # cats without their empty inputs, empty_values

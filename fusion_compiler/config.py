@@ -67,6 +67,10 @@ class Config:
     # instead, where its kernel takes them (cuDNN, Flash; inference graphs): the repeat's copies
     # are not made (passes/grouped_attention.py). 0: the graph's copies are kept.
     grouped_attention: bool = True
+    # Depthwise 1-d convolutions of up to 8 taps (the Mamba family's causal convolution) as
+    # pointwise sums of shifted products in fp32 that fuse with their neighbours
+    # (passes/depthwise_conv.py). 0: left to cuDNN / ATen.
+    depthwise_conv: bool = True
     # Convolution networks keep their activations in channels-last memory, where Inductor's
     # rules pick it (passes/channels_last.py): cuDNN computes in NHWC, and NCHW activations
     # cost it a transpose in and out of each convolution. 0: the layouts the model gives.

@@ -175,6 +175,11 @@ def render_table(doc) -> str:
                         f"that read the operands again for each output ({len(s['contractions'])}): "
                         + ", ".join(f"{c['node']} {c['batch']} x [{c['m']}, {c['k']}] @ "
                                     f"[{c['k']}, {c['n']}]" for c in s["contractions"])]
+        if s.get("depthwise_convs"):
+            out += ["", "depthwise 1-d convolutions computed as fused sums of shifted products, "
+                        f"not on cuDNN ({len(s['depthwise_convs'])}): "
+                        + ", ".join(f"{c['node']} {c['shape']} ({c['taps']} taps)"
+                                    for c in s["depthwise_convs"])]
         if s.get("layout"):
             out += ["", f"convolution activations: {s['layout']} (passes/channels_last.py)"]
         if s.get("inplace"):
