@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from patterns import copy_bandwidth
+
 B, L, C, TAPS = 4, 1024, 2304, 4
 
 
@@ -40,21 +42,13 @@ def conv_only(x, w, b):
     return F.conv1d(x, w, b, padding=TAPS - 1, groups=C)
 
 
-def _copy_bandwidth() -> float:
-    """Bytes a second of a bf16 copy of 1 GiB (read + write)."""
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    return 2 * src.numel() * 2 / (ms * 1e-3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", nargs="*", default=None, help="some cases only (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     bf = torch.bfloat16
 

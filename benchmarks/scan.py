@@ -28,6 +28,8 @@ import types
 import torch
 from triton.testing import do_bench
 
+from patterns import copy_bandwidth
+
 
 def positions(m):
     return (m.cumsum(-1) - 1) * m
@@ -81,21 +83,13 @@ def _with_folded_masks(f):
     return call
 
 
-def _copy_bandwidth() -> float:
-    """Bytes a second of a bf16 copy of 1 GiB (read + write)."""
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    return 2 * src.numel() * 2 / (ms * 1e-3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", nargs="*", default=None, help="some cases only (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = _copy_bandwidth()
+    bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     cases = {
         "positions": (positions, lambda: ((torch.rand(8, 512, device="cuda") > 0.2).long(),),
