@@ -85,25 +85,24 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
             continue
         x, w, b, taps, stride, padding, dilation = found
         want = node.meta["val"]
-        channels, length = want.shape[1], want.shape[2]
+        length = want.shape[2]
         mode = want.fake_mode
         f32 = torch.float32
         with gm.graph.inserting_before(node):
             xs = _cast(gm, x, f32, mode)
             if padding:
                 xs = emit(gm, aten.constant_pad_nd.default, (xs, [padding, padding], 0.0), mode)
-            ws = emit(gm, aten.view.default, (_cast(gm, w, f32, mode), [channels, taps]), mode)
+            ws = _cast(gm, w, f32, mode)
             acc = None
             for k in range(taps):
                 start = k * dilation
                 tap = emit(gm, aten.slice.Tensor,
                            (xs, 2, start, start + (length - 1) * stride + 1, stride), mode)
-                wk = emit(gm, aten.slice.Tensor, (ws, 1, k, k + 1), mode)
+                wk = emit(gm, aten.select.int, (ws, 2, k), mode)      # [C, 1]
                 term = emit(gm, aten.mul.Tensor, (tap, wk), mode)
                 acc = term if acc is None else emit(gm, aten.add.Tensor, (acc, term), mode)
             if b is not None:
-                bias = emit(gm, aten.view.default, (_cast(gm, b, f32, mode), [channels, 1]),
-                            mode)
+                bias = emit(gm, aten.unsqueeze.default, (_cast(gm, b, f32, mode), 1), mode)
                 acc = emit(gm, aten.add.Tensor, (acc, bias), mode)
             out = _cast(gm, acc, want.dtype, mode)
             if not _val(out).is_contiguous():
