@@ -11,6 +11,8 @@ Cases (bf16):
               ``silu(conv1d(xBC.transpose(1, 2), padding=3)[..., :L]).transpose(1, 2)`` where
               xBC is the middle 2304 columns of the in-projection's [4, 1024, 4384] output
               (read 2 B and write 2 B an element)
+  mamba2-rows the same, its output read as rows of L * C, as the model's next steps read it
+              (eager copies the transposed output; the rewrite's is that view already)
   contiguous  the same conv + SiLU of a contiguous [4, 1024, 2304] input
   conv-only   ``conv1d(x, padding=3)`` of a contiguous [4, 2304, 1024], output [4, 2304, 1027]
 """
@@ -38,6 +40,10 @@ def mamba2(zxbcdt, w, b):
     return mixer(zxbcdt[..., 2048:2048 + C], w, b)
 
 
+def mamba2_rows(zxbcdt, w, b):
+    return mamba2(zxbcdt, w, b).reshape(B, -1)
+
+
 def conv_only(x, w, b):
     return F.conv1d(x, w, b, padding=TAPS - 1, groups=C)
 
@@ -59,6 +65,8 @@ def main() -> None:
     cases = {
         "mamba2": (mamba2, lambda: (torch.randn(B, L, 4384, device="cuda", dtype=bf),
                                     *weights()), elements * 2),
+        "mamba2-rows": (mamba2_rows, lambda: (torch.randn(B, L, 4384, device="cuda", dtype=bf),
+                                              *weights()), elements * 2),
         "contiguous": (mixer, lambda: (torch.randn(B, L, C, device="cuda", dtype=bf),
                                        *weights()), elements * 2),
         "conv-only": (conv_only, lambda: (torch.randn(B, C, L, device="cuda", dtype=bf),

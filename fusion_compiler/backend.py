@@ -24,8 +24,8 @@ from . import aot_cache, cudagraphs, measure
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
-from .passes import (channels_last, fast_calls, late_decompose, layout_checks, nearest_upsample,
-                     sdpa_mask)
+from .passes import (channels_last, depthwise_conv, fast_calls, late_decompose, layout_checks,
+                     nearest_upsample, sdpa_mask)
 from .report import GraphReport, aten_compute_ops, publish
 from . import summary
 
@@ -53,7 +53,8 @@ class CompileContext:
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
     # (sum's node name, batch, M, K, N): summed broadcast products run as bmm, contractions
     contractions: list = field(default_factory=list)
-    # (conv's node name, output shape, taps): depthwise 1-d convolutions as pointwise sums
+    # (Dynamo node name, output shape, taps): depthwise 1-d convolutions rewritten as sums of
+    # shifted products before aot_autograd (passes/depthwise_conv.py), on forward graphs
     depthwise_convs: list = field(default_factory=list)
     empty_values: list = field(default_factory=list)    # node names, empty_values
     passed_through: list = field(default_factory=list)  # cats with empty tensors, empty_values
@@ -125,10 +126,11 @@ def _devices(gm) -> set:
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config,
-                       meanwhile=None, layout: str | None = None):
+                       meanwhile=None, layout: str | None = None, depthwise: tuple = ()):
     """Run the pipeline on one ATen graph; return what aot_autograd should call.
     ``meanwhile()``, if given, is the caller's own work, run while the kernels compile (once,
-    whatever happens). ``layout``: what the Dynamo graph's layout pass decided, for the report.
+    whatever happens). ``layout``: what the Dynamo graph's layout pass decided, for the report;
+    ``depthwise``: the convolutions passes/depthwise_conv.py rewrote there, for the forward's.
 
     An unexpected error in the compiler never stops a model that eager PyTorch runs: the graph
     runs on ATen unfused, with a warning (or the error is raised with FUSION_COMPILER_STRICT=1),
@@ -136,7 +138,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config,
     pending = [meanwhile] if meanwhile is not None else []
     with young_gc():
         try:
-            return _compile_aten_graph(gm, kind, config, pending, layout)
+            return _compile_aten_graph(gm, kind, config, pending, layout, depthwise)
         finally:
             _run_pending(pending)       # not run yet: the passes failed first
 
@@ -147,13 +149,15 @@ def _run_pending(pending: list) -> None:
 
 
 def _compile_aten_graph(gm: torch.fx.GraphModule, kind: str, config: Config, pending: list,
-                        layout: str | None = None):
+                        layout: str | None = None, depthwise: tuple = ()):
     from .passes import generate, pipeline       # here: `import fusion_compiler` stays light
 
     global _said_cpu
     started = time.perf_counter()
     ctx = make_context(config, kind, gm)
     ctx.layout = layout
+    if kind != "backward":
+        ctx.depthwise_convs = list(depthwise)
     report = GraphReport(kind=kind, ran_kernels=False, nodes_before=len(gm.graph.nodes))
     runs_kernels = "cuda" in _devices(gm) or ctx.run_on_cpu
     if not runs_kernels and not _said_cpu:
@@ -312,6 +316,12 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if (cuda is not None or interpreting() or config.emit_sources) and nearest_upsample.run(gm):
         log.info("fusion-compiler: nearest upsampling as index arithmetic "
                  "(passes/nearest_upsample.py)")
+    depthwise = ()
+    if config.depthwise_conv and (cuda is not None or interpreting() or config.emit_sources):
+        depthwise = tuple(depthwise_conv.run(gm))
+        if depthwise:
+            log.info("fusion-compiler: %d depthwise 1-d convolutions as sums of shifted products "
+                     "(passes/depthwise_conv.py)", len(depthwise))
     if sdpa_mask.run(gm):
         log.info("fusion-compiler: attention masks copied to contiguous memory, so SDPA can "
                  "pick its fused CUDA kernels (passes/sdpa_mask.py)")
@@ -328,7 +338,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         """One ATen graph compiled into what aot_autograd calls (boxed: it passes the argument
         list itself, so inputs can be freed early)."""
         compiled = compile_aten_graph(aten_gm, kind, config, meanwhile=meanwhile,
-                                      layout=layout)
+                                      layout=layout, depthwise=depthwise)
         fn = boxed(compiled)
         target = getattr(compiled, "_fc_measure", None)
         if target is not None:

@@ -6,7 +6,6 @@ import time
 import torch
 
 from . import (classify, column_sums, constant_fold, contractions, conv_bias, dedupe,
-               depthwise_conv,
                empty_values, fuse, generate, grouped_attention, index_rows, late_decompose,
                middle_dims, outer_dims, pad_gemm, partition, roll, scan_dims, shapes,
                trailing_dims)
@@ -20,8 +19,6 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     constant_fold.run(gm, ctx)      # values computed from constants alone: computed now, kept
     roll.run(gm, ctx)               # index_select by a constant rotation as a roll
     contractions.run(gm, ctx)       # summed broadcast products (einsums) as batched GEMMs
-    if ctx.config.depthwise_conv:   # depthwise 1-d convolutions as sums of shifted products
-        depthwise_conv.run(gm, ctx)
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     conv_bias.run(gm, ctx)          # cuDNN convolutions' biases added by the graph (GPU only)
     index_rows.run(gm, ctx)         # table[idx] as a gather of rows
