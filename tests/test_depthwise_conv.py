@@ -19,11 +19,6 @@ def _rewritten(reports) -> int:
     return sum(len(r.summary.get("depthwise_convs", [])) for r in reports)
 
 
-def _layout(t) -> tuple:
-    """Strides of the dims of more than one element."""
-    return tuple(s for n, s in zip(t.shape, t.stride()) if n != 1)
-
-
 def mamba_mixer_conv(x, w, b):
     """transformers' Mamba2 torch path: ``act(conv1d(x.transpose(1, 2))[..., :L].transpose(1,
     2))``, x [batch, L, C]."""
@@ -47,7 +42,8 @@ def test_mamba_causal_conv_is_one_kernel(shape, dtype, device):
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     want = mamba_mixer_conv(x, w, b)
     assert_close(out, want, dtype=dtype)
-    assert _layout(out) == _layout(want)        # eager's, the graph's output copied back
+    # eager's layout: the graph's output copied back
+    assert depthwise_conv._layout(out) == depthwise_conv._layout(want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -70,7 +66,7 @@ def test_strides_dilations_paddings(taps, stride, padding, dilation, bias, dtype
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     want = fn(x, w, b)
     assert_close(out, want, dtype=dtype)
-    assert _layout(out) == _layout(want)
+    assert depthwise_conv._layout(out) == depthwise_conv._layout(want)
 
 
 def test_fp32_sums_the_taps_once_rounded(device):
