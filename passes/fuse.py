@@ -38,7 +38,7 @@ import torch
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir
 from . import decision_cache, recompute
-from .groups import FusionGroup, GraphView, analyze, charge_parts
+from .groups import FusionGroup, GraphView, analyze, charge_parts, read_across_the_grain
 from .legality import check_legal
 from .shapes import hint
 
@@ -108,6 +108,12 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                                      recomputed=groups[p].recomputed | groups[c].recomputed),
                          view, ctx)
         score = groups[p].cost.time + groups[c].cost.time - merged.cost.time
+        strided, why = read_across_the_grain(groups[p], groups[c], ctx.size_hints)
+        score -= strided
+        if score <= 0 and strided:
+            ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
+                                           f"unprofitable: {why}"))
+            return
         if score <= 0:
             ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
                                            "unprofitable: fused time is not lower"))

@@ -282,3 +282,40 @@ class _FXGraph:
     def meta(node):
         t = node.meta["fc_tensor"]
         return t.dtype, tuple(str(d) for d in t.shape)
+
+
+
+COPIES = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
+          torch.ops.prims.convert_element_type.default)
+# GPU time of one strided read of one element that a vectorized read would have shared: Mamba2's
+# depthwise mixer ([4, 1024, 2304] bf16, four taps whose weights lie at a stride of 4) took 82 us
+# on the H100 reading them across the grain and 26 us reading a contiguous copy: 56 us over 37.7M
+# reads (benchmarks/depthwise_conv.py, BENCHMARKS.md session 60)
+STRIDED_READ_TIME = 1.5e-12
+
+
+def read_across_the_grain(p: FusionGroup, c: FusionGroup, size_hints: dict) -> tuple:
+    """(seconds, reason): what merging copy group ``p`` into ``c`` costs beyond the bytes, where
+    ``p`` is copies alone (clone, dtype casts) of a small tensor read across its grain (a view
+    whose last dim, of size > 1, has a stride other than 1: ``w[:, 0].t()`` of a [C, 1, K]
+    weight) written with its last dim contiguous. Merged, ``c`` gathers that tensor with the
+    stride again in each of its elements, loads of one element that cannot be vectorized;
+    apart, it reads the copy in vectors. (0.0, "") for any other pair."""
+    if not p.members or not p.outputs or any(m.target not in COPIES for m in p.members):
+        return 0.0, ""
+    size = max(hint(o.meta["fc_tensor"].numel, size_hints) for o in p.outputs)
+    reader = max((hint(m.meta["fc_tensor"].numel, size_hints) for m in c.members), default=0)
+    if not size or reader <= size:
+        return 0.0, ""
+    for m in p.members:
+        src = m.args[0] if m.args else None
+        info = getattr(src, "meta", {}).get("fc_tensor")
+        if info is None or not info.shape or src in p.members:
+            continue
+        last, stride = hint(info.shape[-1], size_hints), hint(info.stride[-1], size_hints)
+        if last > 1 and stride != 1 and hint(m.meta["fc_tensor"].stride[-1], size_hints) == 1:
+            reads = reader * sum(1 for o in p.outputs for u in o.users if u in c.nodes)
+            return reads * STRIDED_READ_TIME, (
+                f"a small tensor read across its grain (stride {stride}) {reads} times: "
+                "its copy kept apart, read contiguously")
+    return 0.0, ""

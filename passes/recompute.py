@@ -10,7 +10,7 @@ import networkx as nx
 
 from ..codegen.kernel_ir import NotFusable
 from .classify import OpKind
-from .groups import DATA, FusionGroup, analyze
+from .groups import DATA, FusionGroup, analyze, read_across_the_grain
 from .legality import check_legal
 
 
@@ -52,7 +52,8 @@ def candidate(groups, p, consumers, view, ctx):
                                   recomputed=groups[c].recomputed | prod.members), view, ctx)
               for c in sorted(consumers)]
     score = prod.cost.time + sum(groups[c].cost.time for c in consumers) - sum(
-        g.cost.time for g in merged)
+        g.cost.time for g in merged) - sum(
+        read_across_the_grain(prod, groups[c], ctx.size_hints)[0] for c in consumers)
     if score <= 0 or prod.recomputed:
         ctx.decisions.append(decision(
             prod, consumers, groups, merged, score, False,

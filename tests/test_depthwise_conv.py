@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler
-from fusion_compiler.passes import depthwise_conv
+from fusion_compiler.passes import depthwise_conv, groups
 from helpers import assert_close, compile_and_run, kernel_count, leftover_aten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -43,6 +43,35 @@ def test_mamba_causal_conv_is_one_kernel(shape, dtype, device):
     want = mamba_mixer_conv(x, w, b)
     assert_close(out, want, dtype=dtype)
     # eager's layout: the graph's output copied back
+    assert depthwise_conv._layout(out) == depthwise_conv._layout(want)
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_taps_weights_copied_apart_where_strided_reads_cost_more(dtype, device, cache_dir,
+                                                                 monkeypatch):
+    """The weight [C, 1, K] lies with its taps innermost; each tap reads its C weights at a
+    stride of K. Where the cost of those strided reads over the whole output exceeds a launch
+    (Mamba2's [4, 1024, 2304]: 82 us against 26 on the H100), the taps' transposed copy [K, C]
+    is its own small kernel and the mixer reads it contiguously. At this test's size the reads
+    cost nothing (one kernel, above); a read made 10^6 times dearer crosses the line."""
+    monkeypatch.setattr(groups, "STRIDED_READ_TIME", 1e-6)
+    torch.manual_seed(7)
+    x = torch.randn(2, 13, 11, device=device, dtype=dtype)
+    w = torch.randn(11, 1, 4, device=device, dtype=dtype)
+    b = torch.randn(11, device=device, dtype=dtype)
+    out, reports = compile_and_run(mamba_mixer_conv, (x, w, b))
+    assert _rewritten(reports) == 1
+    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+    apart = [d for r in reports for d in r.decisions
+             if not d["taken"] and "read across its grain (stride 4)" in d["reason"]]
+    assert apart and "clone" in " ".join(apart[0]["producer"]), [r.decisions for r in reports]
+    mixer = [k for r in reports for k in r.kernels if "silu" in k["label"]]
+    assert len(mixer) == 1, [k["label"] for r in reports for k in r.kernels]
+    text = open(mixer[0]["path"]).read()
+    assert "(4 * (" not in text and "in2 + (33 + " in text, text     # taps 11 weights apart
+    want = mamba_mixer_conv(x, w, b)
+    assert_close(out, want, dtype=dtype)
     assert depthwise_conv._layout(out) == depthwise_conv._layout(want)
 
 
