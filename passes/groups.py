@@ -284,13 +284,12 @@ class _FXGraph:
         return t.dtype, tuple(str(d) for d in t.shape)
 
 
-
 COPIES = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
           torch.ops.prims.convert_element_type.default)
 # GPU time of one strided read of one element that a vectorized read would have shared: Mamba2's
 # depthwise mixer ([4, 1024, 2304] bf16, four taps whose weights lie at a stride of 4) took 82 us
 # on the H100 reading them across the grain and 26 us reading a contiguous copy: 56 us over 37.7M
-# reads (benchmarks/depthwise_conv.py, BENCHMARKS.md session 60)
+# reads (the generated kernel and a hand-edited one, BENCHMARKS.md session 60)
 STRIDED_READ_TIME = 1.5e-12
 
 
@@ -314,8 +313,21 @@ def read_across_the_grain(p: FusionGroup, c: FusionGroup, size_hints: dict) -> t
             continue
         last, stride = hint(info.shape[-1], size_hints), hint(info.stride[-1], size_hints)
         if last > 1 and stride != 1 and hint(m.meta["fc_tensor"].stride[-1], size_hints) == 1:
-            reads = reader * sum(1 for o in p.outputs for u in o.users if u in c.nodes)
+            reads = reader * sum(_uses(o, c.nodes) for o in p.outputs)
             return reads * STRIDED_READ_TIME, (
                 f"a small tensor read across its grain (stride {stride}) {reads} times: "
                 "its copy kept apart, read contiguously")
     return 0.0, ""
+
+
+def _uses(node, inside) -> int:
+    """How many reads of ``node`` an element of a kernel holding ``inside`` makes: its users
+    there, counted through casts and views (the depthwise taps' four selects of one cast copy
+    are four reads)."""
+    total = 0
+    for u in node.users:
+        if u not in inside:
+            continue
+        passes = u.target in COPIES or u.meta.get("fc_kind") is OpKind.VIEW
+        total += (_uses(u, inside) or 1) if passes and u.args and u.args[0] is node else 1
+    return total
