@@ -296,10 +296,11 @@ STRIDED_READ_TIME = 1.5e-12
 def read_across_the_grain(p: FusionGroup, c: FusionGroup, size_hints: dict) -> tuple:
     """(seconds, reason): what merging copy group ``p`` into ``c`` costs beyond the bytes, where
     ``p`` is copies alone (clone, dtype casts) of a small tensor read across its grain (a view
-    whose last dim, of size > 1, has a stride other than 1: ``w[:, 0].t()`` of a [C, 1, K]
-    weight) written with its last dim contiguous. Merged, ``c`` gathers that tensor with the
-    stride again in each of its elements, loads of one element that cannot be vectorized;
-    apart, it reads the copy in vectors. (0.0, "") for any other pair."""
+    whose last dim, of size > 1, has a stride above 1: ``w[:, 0].t()`` of a [C, 1, K] weight;
+    not an expand's 0, which reads one element again) written with its last dim contiguous.
+    Merged, ``c`` gathers that tensor with the stride again in each of its elements, loads of
+    one element that cannot be vectorized; apart, it reads the copy in vectors. (0.0, "") for
+    any other pair."""
     if not p.members or not p.outputs or any(m.target not in COPIES for m in p.members):
         return 0.0, ""
     size = max(hint(o.meta["fc_tensor"].numel, size_hints) for o in p.outputs)
@@ -312,7 +313,7 @@ def read_across_the_grain(p: FusionGroup, c: FusionGroup, size_hints: dict) -> t
         if info is None or not info.shape or src in p.members:
             continue
         last, stride = hint(info.shape[-1], size_hints), hint(info.stride[-1], size_hints)
-        if last > 1 and stride != 1 and hint(m.meta["fc_tensor"].stride[-1], size_hints) == 1:
+        if last > 1 and stride > 1 and hint(m.meta["fc_tensor"].stride[-1], size_hints) == 1:
             reads = reader * sum(_uses(o, c.nodes) for o in p.outputs)
             return reads * STRIDED_READ_TIME, (
                 f"a small tensor read across its grain (stride {stride}) {reads} times: "

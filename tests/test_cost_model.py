@@ -15,6 +15,7 @@ from fusion_compiler.config import Config
 from fusion_compiler.decompositions import decomposition_table
 from fusion_compiler.passes import pipeline
 from fusion_compiler.passes.cost_model import PROFILES
+from helpers import assert_close, compile_and_run, kernel_count
 
 H200 = PROFILES["h200"]
 
@@ -522,3 +523,27 @@ def test_groups_name_their_kernels_form(fn, shape, form):
     ctx = analyze(fn, torch.randn(*shape), max_persistent_block=1024)
     (g,) = ctx.groups
     assert g.form == form
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("source,kernels", [("transposed", 2), ("expanded", 1)])
+def test_copy_read_across_the_grain_kept_apart(source, kernels, dtype, device, cache_dir,
+                                               monkeypatch):
+    """A copy of a small tensor whose last dim lies at a stride above 1 (a transpose) stays a
+    kernel of its own in front of a larger reader once its strided reads cost more than a
+    launch (priced high here); a copy of an expand (stride 0: one element read again) merges
+    whatever the price."""
+    monkeypatch.setattr("fusion_compiler.passes.groups.STRIDED_READ_TIME", 1e-6)
+    torch.manual_seed(3)
+    x = torch.randn(37, 33, device=device, dtype=dtype)
+    v = torch.randn(5, 33, device=device, dtype=dtype)
+
+    def fn(x, v):
+        w = v.t() if source == "transposed" else v[0, :, None].expand(33, 5)
+        w = w.contiguous()
+        return (x[:, :, None] * w).sigmoid()
+    out, reports = compile_and_run(fn, (x, v))
+    assert kernel_count(reports) == kernels, [r.decisions for r in reports]
+    apart = [d for r in reports for d in r.decisions if "across its grain" in d["reason"]]
+    assert bool(apart) == (kernels == 2)
+    assert_close(out, fn(x, v), dtype=dtype)
