@@ -108,15 +108,11 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                                      recomputed=groups[p].recomputed | groups[c].recomputed),
                          view, ctx)
         score = groups[p].cost.time + groups[c].cost.time - merged.cost.time
-        strided, why = read_across_the_grain(groups[p], groups[c], ctx.size_hints)
+        strided, why = read_across_the_grain(groups[p], groups[c], view, ctx.size_hints)
         score -= strided
-        if score <= 0 and strided:
-            ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
-                                           f"unprofitable: {why}"))
-            return
         if score <= 0:
             ctx.decisions.append(_decision(groups[p], groups[c], merged, score, False,
-                                           "unprofitable: fused time is not lower"))
+                                           f"unprofitable: {why or 'fused time is not lower'}"))
             return
         scores[(p, c)] = (score, groups[p].cost.bytes + groups[c].cost.bytes - merged.cost.bytes)
         heapq.heappush(heap, (-score, next(seq), (p, c), merged))

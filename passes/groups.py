@@ -293,7 +293,8 @@ COPIES = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default,
 STRIDED_READ_TIME = 1.5e-12
 
 
-def read_across_the_grain(p: FusionGroup, c: FusionGroup, size_hints: dict) -> tuple:
+def read_across_the_grain(p: FusionGroup, c: FusionGroup, view: GraphView,
+                          size_hints: dict) -> tuple:
     """(seconds, reason): what merging copy group ``p`` into ``c`` costs beyond the bytes, where
     ``p`` is copies alone (clone, dtype casts) of a small tensor read across its grain (a view
     whose last dim, of size > 1, has a stride above 1: ``w[:, 0].t()`` of a [C, 1, K] weight;
@@ -314,21 +315,16 @@ def read_across_the_grain(p: FusionGroup, c: FusionGroup, size_hints: dict) -> t
             continue
         last, stride = hint(info.shape[-1], size_hints), hint(info.stride[-1], size_hints)
         if last > 1 and stride > 1 and hint(m.meta["fc_tensor"].stride[-1], size_hints) == 1:
-            reads = reader * sum(_uses(o, c.nodes) for o in p.outputs)
+            reads = reader * sum(_uses(o, c.members, view) for o in p.outputs)
             return reads * STRIDED_READ_TIME, (
                 f"a small tensor read across its grain (stride {stride}) {reads} times: "
                 "its copy kept apart, read contiguously")
     return 0.0, ""
 
 
-def _uses(node, inside) -> int:
-    """How many reads of ``node`` an element of a kernel holding ``inside`` makes: its users
-    there, counted through casts and views (the depthwise taps' four selects of one cast copy
-    are four reads)."""
-    total = 0
-    for u in node.users:
-        if u not in inside:
-            continue
-        passes = u.target in COPIES or u.meta.get("fc_kind") is OpKind.VIEW
-        total += (_uses(u, inside) or 1) if passes and u.args and u.args[0] is node else 1
-    return total
+def _uses(node, inside, view) -> int:
+    """How many reads of ``node`` an element of a kernel computing ``inside`` makes: its
+    consumers there (past views), counted through casts (the depthwise taps' four selects of
+    one cast copy are four reads)."""
+    return sum((_uses(u, inside, view) or 1) if u.target in COPIES else 1
+               for u in view.consumers(node) if u in inside)

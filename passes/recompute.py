@@ -53,7 +53,7 @@ def candidate(groups, p, consumers, view, ctx):
               for c in sorted(consumers)]
     score = prod.cost.time + sum(groups[c].cost.time for c in consumers) - sum(
         g.cost.time for g in merged) - sum(
-        read_across_the_grain(prod, groups[c], ctx.size_hints)[0] for c in consumers)
+        read_across_the_grain(prod, groups[c], view, ctx.size_hints)[0] for c in consumers)
     if score <= 0 or prod.recomputed:
         ctx.decisions.append(decision(
             prod, consumers, groups, merged, score, False,
