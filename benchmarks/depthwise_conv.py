@@ -15,6 +15,9 @@ Cases (bf16):
               (eager copies the transposed output; the rewrite's is that view already)
   contiguous  the same conv + SiLU of a contiguous [4, 1024, 2304] input
   conv-only   ``conv1d(x, padding=3)`` of a contiguous [4, 2304, 1024], output [4, 2304, 1027]
+
+``train_mamba2_rows`` is the ``mamba2-rows`` case as a ``fusion-compiler bench`` target for a
+training step (``--mode training``).
 """
 from __future__ import annotations
 
@@ -46,6 +49,27 @@ def mamba2_rows(zxbcdt, w, b):
 
 def conv_only(x, w, b):
     return F.conv1d(x, w, b, padding=TAPS - 1, groups=C)
+
+
+class Mamba2Conv(torch.nn.Module):
+    """The ``mamba2-rows`` case with its weight and bias as parameters: a target for
+    ``fusion-compiler bench``/``dump`` (``train_mamba2_rows``), whose training step sums the
+    weight's and the bias's gradients over batch and time."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(C, 1, TAPS, device=device, dtype=dtype) / 2)
+        self.bias = torch.nn.Parameter(torch.randn(C, device=device, dtype=dtype))
+
+    def forward(self, zxbcdt):
+        return mamba2_rows(zxbcdt, self.weight, self.bias)
+
+
+def train_mamba2_rows(device="cpu", dtype=torch.bfloat16):
+    """``bench benchmarks/depthwise_conv.py:train_mamba2_rows --mode training``: the mixer's
+    convolution at Mamba2's size, its input a leaf that takes a gradient too."""
+    x = torch.randn(B, L, 4384, device=device, dtype=dtype, requires_grad=True)
+    return Mamba2Conv(device, dtype), (x,)
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ import torch
 
 from . import (classify, column_sums, constant_fold, contractions, conv_bias, dedupe,
                empty_values, fuse, generate, grouped_attention, index_rows, late_decompose,
-               middle_dims, outer_dims, pad_gemm, partition, roll, scan_dims, shapes,
-               trailing_dims)
+               memory_order, middle_dims, outer_dims, pad_gemm, partition, roll, scan_dims,
+               shapes, trailing_dims)
 
 
 def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -22,6 +22,7 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     pad_gemm.run(gm, ctx)           # GEMMs with unaligned rows padded for cuBLAS (GPU only)
     conv_bias.run(gm, ctx)          # cuDNN convolutions' biases added by the graph (GPU only)
     index_rows.run(gm, ctx)         # table[idx] as a gather of rows
+    memory_order.run(gm, ctx)       # reductions over dims out of memory order as in it
     outer_dims.run(gm, ctx)         # sums over leading and trailing dims as one over each
     column_sums.run(gm, ctx)        # sums over leading dims as split sums of rows
     trailing_dims.run(gm, ctx)      # reductions over several trailing dims as over one

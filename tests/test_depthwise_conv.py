@@ -161,10 +161,11 @@ def mixer_rows(x, w, b):
 def test_training_gradients(fn, dtype, device):
     """Rewritten before aot_autograd, the shifted sum is differentiated as it stands: the
     input's gradient a sum of shifted products of the output's, the weight's and the bias's
-    sums over batch and time; gradients as eager's, nothing of the forward on ATen. The slice
-    ``[..., :L]``'s gradient is ATen's time-innermost zero pad, so the five sums over batch and
-    time of the products with it stay on ATen (column_sums: the summed dims are no view of one
-    dim), however the output is read."""
+    sums over batch and time; gradients as eager's, nothing on ATen. The slice ``[..., :L]``'s
+    gradient is ATen's time-innermost zero pad, so the products lie time-innermost and the five
+    sums over batch and time are over dims out of memory order (passes/memory_order.py): a row
+    sum over time with the products' producers (the SiLU's gradient too in bf16), then a sum of
+    the batch's partials, however the output is read."""
     torch.manual_seed(4)
     x0 = torch.randn(2, 11, 10, device=device, dtype=dtype)
     w0 = torch.randn(10, 1, 4, device=device, dtype=dtype)
@@ -181,8 +182,12 @@ def test_training_gradients(fn, dtype, device):
         ours = run(torch.compile(fn, backend="fusion"))
     assert [r.error for r in reports if r.error] == []
     assert _rewritten([r for r in reports if r.kind == "forward"]) == 1
-    assert leftover_aten(reports, "forward") == []
-    assert leftover_aten(reports, "backward") == ["aten.sum.dim_IntList"] * 5
+    assert leftover_aten(reports) == []
+    assert kernel_count(reports, "forward") == 2
+    # the SiLU's gradient joins the row sums where the graph computes it at the padded shape;
+    # fp32 on the CPU computes it before the pad ([2, 10, 11]: no row of the [2, 10, 14] sums)
+    split = dtype == torch.float32 and device == "cpu"
+    assert kernel_count(reports, "backward") == (5 if split else 4)
     tol = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-2, 5e-2)}[dtype]
     for name, a, e in zip(["out", "x.grad", "w.grad", "b.grad"], ours, eager):
         assert_close(a, e, atol=tol[0], rtol=tol[1], name=name)
