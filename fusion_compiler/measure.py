@@ -90,9 +90,21 @@ def copies_for(tensors, device_type: str) -> int:
     return max(2, min(32, -(-2 * L2_BYTES // max(size, 1))))
 
 
+def twin(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides. A kernel bakes its inputs' strides in: ``clone`` of a
+    view with gaps (a slice of a wider row) is contiguous, and the kernel read past its end
+    (Mamba2's training graph: an illegal memory access on the H100). Dims of stride 0 (an
+    expand) are copied once."""
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    one = tuple(slice(0, 1) if s == 0 else slice(None) for s in t.stride())
+    out[one].copy_(t[one])
+    return out
+
+
 def rotated(values, copies: int) -> list:
-    """``copies`` lists like ``values``, the first the values themselves, the rest clones."""
-    return [values] + [[v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    """``copies`` lists like ``values``, the first the values themselves, the rest copies
+    with their strides (``twin``)."""
+    return [values] + [[twin(v) if isinstance(v, torch.Tensor) else v for v in values]
                        for _ in range(copies - 1)]
 
 

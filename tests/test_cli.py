@@ -501,6 +501,25 @@ def test_measure_times_every_fused_kernel_beside_its_prediction(capsys, tiny, mo
     assert ("interpreter timings" in out) is not gpu
 
 
+def test_measure_copies_keep_their_strides(device):
+    """The rotating copies --measure times a kernel on keep each input's strides, which the
+    kernel bakes in: a slice with gaps (a contiguous clone was read past its end), a
+    transposed view, an expand; same values."""
+    import torch
+
+    from fusion_compiler.measure import rotated
+    base = torch.randn(4, 6, 10, device=device)
+    values = [base[..., 2:7], base.transpose(1, 2), torch.randn(5, 1, device=device).expand(5, 3),
+              torch.randn(7, device=device), 3]
+    first, *copies = rotated(values, 3)
+    assert first is values
+    for copy in copies:
+        assert copy[-1] == 3
+        for v, c in zip(values[:-1], copy[:-1]):
+            assert c.stride() == v.stride() and torch.equal(c, v)
+            assert c.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+
+
 def test_measure_of_cpu_tensors_without_the_interpreter_is_a_clear_error(capsys, tiny,
                                                                         monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
