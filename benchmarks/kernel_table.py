@@ -2,12 +2,15 @@
 
     python benchmarks/kernel_table.py examples/gpt2.py:bench_8x512 [--backends inductor fusion]
     python benchmarks/kernel_table.py benchmarks/hf_zoo.py:resnet50_128_train --mode training
+    python benchmarks/kernel_table.py benchmarks/hf_zoo.py:mamba2_4x1024 --backends fusion --groups
 
 For each backend: one profiled call after warm-up (torch.profiler, CUDA activity), the CUDA
 kernels grouped by name with their count and total GPU time, the largest first, and the call's
 wall time (host) beside the sum of kernel times (GPU busy). ``bench --breakdown`` sorts the same
 profile into categories; this shows the kernels themselves (which attention kernel SDPA picked,
-which GEMMs, which fused kernels).
+which GEMMs, which fused kernels). ``--groups``: fusion's kernels by group instead (its
+``profile_ranges`` option: each launch in a range ``fc#<id> <label>``, the ids `dump` shows),
+the slowest first, since the generated kernels share a few names (``_persistent_kernel``).
 """
 import argparse
 import collections
@@ -18,8 +21,10 @@ import torch
 from fusion_compiler.targets import load_factory
 
 
-def table(target: str, backend: str, top: int, mode: str = "inference") -> None:
-    """``mode="training"``: each call is bench's training step (forward, backward, SGD)."""
+def table(target: str, backend: str, top: int, mode: str = "inference",
+          groups: bool = False) -> None:
+    """``mode="training"``: each call is bench's training step (forward, backward, SGD).
+    ``groups``: fusion's kernels timed per fused group (``profile_ranges``)."""
     import contextlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -28,7 +33,8 @@ def table(target: str, backend: str, top: int, mode: str = "inference") -> None:
 
     torch._dynamo.reset()
     model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
-    f = model if backend == "eager" else torch.compile(model, backend=backend)
+    options = {"profile_ranges": True} if groups and backend == "fusion" else None
+    f = model if backend == "eager" else torch.compile(model, backend=backend, options=options)
     if mode == "training":
         f = _training_step(f, model)
     with torch.no_grad() if mode == "inference" else contextlib.nullcontext():
@@ -40,12 +46,13 @@ def table(target: str, backend: str, top: int, mode: str = "inference") -> None:
             f(*inputs)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 20 * 1e6
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if options else [])
+        with profile(activities=activities) as prof:
             f(*inputs)
             torch.cuda.synchronize()
     kernels = collections.defaultdict(lambda: [0, 0.0])
     for e in prof.events():
-        if e.device_type.name == "CUDA":
+        if e.device_type.name == "CUDA" and not e.name.startswith("fc#"):   # not a range's span
             k = kernels[e.name[:90]]
             k[0] += 1
             k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
@@ -54,6 +61,17 @@ def table(target: str, backend: str, top: int, mode: str = "inference") -> None:
           f"{busy:.0f} us of kernels, {sum(v[0] for v in kernels.values())} kernels", flush=True)
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {us:8.1f} us {n:4d}x  {name}")
+    if options:
+        by_group = collections.defaultdict(lambda: [0.0, 0])
+        for e in prof.events():     # the host's ranges: the kernels launched inside each
+            if e.name.startswith("fc#") and e.device_type.name == "CPU":
+                by_group[e.name][0] += e.device_time_total
+                by_group[e.name][1] += 1
+        ranges = sorted(((us, n, name) for name, (us, n) in by_group.items()), reverse=True)
+        print(f"  by fused group ({len(ranges)} groups, {sum(r[0] for r in ranges):.0f} us; "
+              f"`fusion-compiler dump` names them):")
+        for us, n, name in ranges[:top]:
+            print(f"  {us:8.1f} us {n:4d}x  {name}")
 
 
 def main():
@@ -62,9 +80,11 @@ def main():
     ap.add_argument("--backends", nargs="+", default=["eager", "inductor", "fusion"])
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--mode", choices=["inference", "training"], default="inference")
+    ap.add_argument("--groups", action="store_true",
+                    help="fusion's kernel time per fused group, as `dump` numbers them")
     a = ap.parse_args()
     for b in a.backends:
-        table(a.target, b, a.top, a.mode)
+        table(a.target, b, a.top, a.mode, a.groups)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,11 @@ class Config:
     # (fusion_compiler/aot_cache.py); the passes still run on the stored graphs. 0:
     # aot_autograd runs every time.
     aot_cache: bool = True
+    # Each fused kernel's launch inside a profiler range named after its group,
+    # ``fc#<group id> <label>`` (passes/partition.py): a torch.profiler trace then shows which
+    # of the `dump`'s groups each kernel is (they all share a few kernel names). Off: nothing
+    # on the call path.
+    profile_ranges: bool = False
 
     @staticmethod
     def from_env(env=None) -> "Config":

@@ -46,7 +46,7 @@ def aten_compute_ops(gm: torch.fx.GraphModule) -> list:
     """Targets of call_function nodes that do work on ATen (views and sym reads excluded)."""
     out = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or "fc_launcher" in n.meta:
+        if n.op != "call_function" or "fc_launcher" in n.meta or "fc_profile_range" in n.meta:
             continue
         name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
         val = n.meta.get("val")

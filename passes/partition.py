@@ -47,14 +47,18 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 
     graph = torch.fx.Graph()
     env, sym_nodes = {}, {}
+    ranges = ctx.config.profile_ranges
     by_id = {g.id: g for g in groups}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for u in nx.lexicographical_topological_sort(dag, key=lambda u: first[u]):
         if u in by_id:
             g = by_id[u]
             syms = [_symbol_node(s, graph, env, placeholders, sym_nodes) for s in g.graph_symbols]
+            opened = _open_range(graph, g) if ranges else None
             call = graph.call_function(ctx.launchers[g.id], tuple(env[a] for a in g.inputs) + tuple(syms))
             call.meta["fc_launcher"] = g.id
+            if opened is not None:
+                _close_range(graph, opened)
             for k, o in enumerate(g.outputs):
                 env[o] = graph.call_function(operator.getitem, (call, k))
                 env[o].meta = dict(o.meta)
@@ -68,6 +72,25 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     ctx.inplace = inplace.run(graph)       # kernels write over inputs that die with them
     ctx.input_writes = input_writes.run(graph)     # and buffers' new values into them
     return _LazyGraphModule(gm, graph)     # its code compiled once, by the backend
+
+
+RANGE = "fc_profile_range"   # node.meta key of the profiler range ops (config.profile_ranges)
+
+
+def _open_range(graph, group):
+    """A profiler range ``fc#<id> <label>`` opened before ``group``'s launch: its handle."""
+    from .generate import label     # generate imports this module
+    node = graph.call_function(torch.ops.profiler._record_function_enter_new.default,
+                               (f"fc#{group.id} {label(group)}", None))
+    node.meta[RANGE] = group.id
+    return node
+
+
+def _close_range(graph, handle) -> None:
+    """The range of ``handle`` closed (after the launch it surrounds)."""
+    node = graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction,
+                               (handle,))
+    node.meta[RANGE] = handle.meta[RANGE]
 
 
 def _symbol_node(sym, graph, env, placeholders, cache):
