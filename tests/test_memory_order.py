@@ -97,5 +97,5 @@ def test_kept_dims_out_of_order_stay_on_aten(device):
     g = randn((300, 8, 5, 16), torch.float32, device).permute(1, 0, 3, 2)
     f = lambda g: (g * 2).sum([0, 1])       # noqa: E731
     assert _rewritten(f, g) == 0
-    assert aten_reasons(f, g) == [
-        "sum or mean over leading dims: the summed dims are no view of one dimension (their strides)"]
+    assert aten_reasons(f, g) == ["sum or mean over leading dims: the summed dims are no view of "
+                                  "one dimension (their strides)"]
