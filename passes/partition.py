@@ -74,15 +74,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return _LazyGraphModule(gm, graph)     # its code compiled once, by the backend
 
 
-RANGE = "fc_profile_range"   # node.meta key of the profiler range ops (config.profile_ranges)
-
-
 def _open_range(graph, group):
     """A profiler range ``fc#<id> <label>`` opened before ``group``'s launch: its handle."""
     from .generate import label     # generate imports this module
     node = graph.call_function(torch.ops.profiler._record_function_enter_new.default,
                                (f"fc#{group.id} {label(group)}", None))
-    node.meta[RANGE] = group.id
+    node.meta["fc_profile_range"] = group.id
     return node
 
 
@@ -90,7 +87,7 @@ def _close_range(graph, handle) -> None:
     """The range of ``handle`` closed (after the launch it surrounds)."""
     node = graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction,
                                (handle,))
-    node.meta[RANGE] = handle.meta[RANGE]
+    node.meta["fc_profile_range"] = handle.meta["fc_profile_range"]
 
 
 def _symbol_node(sym, graph, env, placeholders, cache):

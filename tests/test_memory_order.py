@@ -17,19 +17,12 @@ def randn(shape, dtype, device):
     return torch.randn(shape, device=device).to(dtype)
 
 
-def _rewritten(f, x) -> int:
+def _rewritten(f, x, monkeypatch) -> int:
     """How many reductions the pass rewrote in ``f``'s graph (it runs on the graph alone)."""
-    seen = []
-    run = memory_order.run
-
-    def spy(gm, ctx):
-        seen.append(run(gm, ctx))
-        return seen[-1]
-    memory_order.run = spy
-    try:
-        compile_and_run(f, (x,))
-    finally:
-        memory_order.run = run
+    seen, run = [], memory_order.run
+    monkeypatch.setattr(memory_order, "run", lambda gm, ctx: seen.append(run(gm, ctx)) or seen[-1])
+    compile_and_run(f, (x,))
+    monkeypatch.setattr(memory_order, "run", run)
     return sum(seen)
 
 
@@ -80,22 +73,22 @@ def test_batch_norm_sums_over_transposed_spatial_dims(dtype, device):
     assert_close(out, f(x), atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
-def test_reductions_rewritten_as_they_stand_are_left_to_the_other_passes(device):
+def test_reductions_rewritten_as_they_stand_are_left_to_the_other_passes(device, monkeypatch):
     """Contiguous, or dims that merge as they lie (a channels-last BatchNorm sum): not this
     pass's."""
     x = randn((4, 6, 5), torch.float32, device)
-    assert _rewritten(lambda x: (x * 2).sum([0, 1]), x) == 0
+    assert _rewritten(lambda x: (x * 2).sum([0, 1]), x, monkeypatch) == 0
     y = randn((2, 3, 4, 5), torch.float32, device).to(memory_format=torch.channels_last)
-    assert _rewritten(lambda y: (y * 2).sum([0, 2, 3]), y) == 0
+    assert _rewritten(lambda y: (y * 2).sum([0, 2, 3]), y, monkeypatch) == 0
     z = randn((4, 6, 5), torch.float32, device).transpose(1, 2)
-    assert _rewritten(lambda z: (z * 2).sum([0, 1]), z) == 1
+    assert _rewritten(lambda z: (z * 2).sum([0, 1]), z, monkeypatch) == 1
 
 
-def test_kept_dims_out_of_order_stay_on_aten(device):
+def test_kept_dims_out_of_order_stay_on_aten(device, monkeypatch):
     """In memory order the kept dims would come transposed (the result would need a copy after):
     left on ATen, with column_sums's reason."""
     g = randn((300, 8, 5, 16), torch.float32, device).permute(1, 0, 3, 2)
     f = lambda g: (g * 2).sum([0, 1])       # noqa: E731
-    assert _rewritten(f, g) == 0
+    assert _rewritten(f, g, monkeypatch) == 0
     assert aten_reasons(f, g) == ["sum or mean over leading dims: the summed dims are no view of "
                                   "one dimension (their strides)"]
