@@ -194,6 +194,11 @@ NEW = {
     "mamba2": (
         "Mamba2Config", "Mamba2Model", dict(hidden_size=64, num_hidden_layers=2, vocab_size=256,
         state_size=8, num_heads=8, head_dim=16, n_groups=1, chunk_size=8, expand=2), "ids"),
+    # each contraction of the chunked scan at least 16 a side (passes/contractions.py's
+    # MIN_DIM): run as bmms, forward and backward (13 tokens padded to one chunk of 16)
+    "mamba2_gemm": (
+        "Mamba2Config", "Mamba2Model", dict(hidden_size=64, num_hidden_layers=2, vocab_size=256,
+        state_size=16, num_heads=8, head_dim=16, n_groups=1, chunk_size=16, expand=2), "ids"),
     # Mamba2 layers in hybrids (transformers' PyTorch path: segment_sum's cumsum(dim=-2))
     "bamba": (
         "BambaConfig", "BambaModel", dict(D, num_key_value_heads=2, mamba_n_heads=8,
@@ -336,6 +341,12 @@ tz.inputs = inputs
 CHECKED = tz.NORM_AND_ACTIVATION | tz.SLICES_AND_PICKS | tz.SCANS
 
 
+def _bmms(reports) -> str:
+    """The summed broadcast products run as bmms (passes/contractions.py), where any."""
+    n = sum(len(r.summary.get("contractions", ())) for r in reports)
+    return f"contractions {n} " if n else ""
+
+
 def inference(name, dtype) -> str:
     module, args = tz.wrapped(name, dtype)
     module.eval()
@@ -345,6 +356,7 @@ def inference(name, dtype) -> str:
     for i, (a, e) in enumerate(zip(as_tuple(out), as_tuple(expected))):
         assert_close(a, e, dtype=dtype, name=f"output {i}")
     return (f"ok kernels {sum(r.num_kernels for r in reports)} graphs {len(reports)} "
+            f"{_bmms(reports)}"
             f"errs {[r.error for r in reports if r.error]} "
             f"left {sorted(tz.left_on_aten(reports) & CHECKED)}")
 
@@ -367,7 +379,7 @@ def training(name) -> str:
         tz.loss(out).backward()
     tz.assert_step_matches(module, out, expected, want)
     return (f"ok kinds {[r.kind for r in reports]} kernels "
-            f"{sum(r.num_kernels for r in reports)} "
+            f"{sum(r.num_kernels for r in reports)} {_bmms(reports)}"
             f"errs {[r.error for r in reports if r.error]} "
             f"left {sorted(tz.left_on_aten(reports) & CHECKED)}")
 
