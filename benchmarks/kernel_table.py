@@ -62,11 +62,16 @@ def table(target: str, backend: str, top: int, mode: str = "inference",
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {us:8.1f} us {n:4d}x  {name}")
     if options:
+        # each range is two events: the host's (its calls; its device time is 0, the kernels
+        # are not its children) and the GPU's span from its first kernel's start to its last's
+        # end (the profiler's gpu_user_annotation)
         by_group = collections.defaultdict(lambda: [0.0, 0])
-        for e in prof.events():     # the host's ranges: the kernels launched inside each
-            if e.name.startswith("fc#") and e.device_type.name == "CPU":
-                by_group[e.name][0] += e.device_time_total
-                by_group[e.name][1] += 1
+        for e in prof.events():
+            if e.name.startswith("fc#"):
+                if e.device_type.name == "CUDA":
+                    by_group[e.name][0] += e.device_time_total
+                else:
+                    by_group[e.name][1] += 1
         ranges = sorted(((us, n, name) for name, (us, n) in by_group.items()), reverse=True)
         print(f"  by fused group ({len(ranges)} groups, {sum(r[0] for r in ranges):.0f} us; "
               f"`fusion-compiler dump` names them):")
