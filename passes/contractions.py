@@ -127,6 +127,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
     its sums over dims of size 1 as copies, in place; each bmm named in
     ``ctx.contractions``. How many."""
     done = 0
+    copies: dict = {}               # (root, layout) -> its contiguous copy made here
     for node in list(gm.graph.nodes):
         if _unit_sum(node):
             rank = _val(node.args[0]).dim()
@@ -144,9 +145,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         mode = vp.fake_mode
         with gm.graph.inserting_before(node):
             left = _operand(gm, a, shape, dims["batch"] + dims["m"] + dims["k"],
-                            [size["batch"], size["m"], size["k"]], mode)
+                            [size["batch"], size["m"], size["k"]], mode, copies)
             right = _operand(gm, b, shape, dims["batch"] + dims["k"] + dims["n"],
-                             [size["batch"], size["k"], size["n"]], mode)
+                             [size["batch"], size["k"], size["n"]], mode, copies)
             mm = emit(gm, aten.bmm.default, (left, right), mode)
             kept = dims["batch"] + dims["m"] + dims["n"]
             out = emit(gm, aten.view.default, (mm, [shape[d] for d in kept]), mode)
@@ -174,21 +175,49 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
     return done
 
 
-def _operand(gm, x, shape, order, sizes, mode):
+def _operand(gm, x, shape, order, sizes, mode, copies):
     """``x`` (broadcast to ``shape``) as a [batch, rows, cols] tensor: its dims ``order`` first,
     its broadcast dims (sizes of 1) after them, permuted there and merged; copied contiguous
-    where that is not a view."""
+    where that is not a view. A copy of the same elements in the same order as one made
+    before (``copies``: the backward's contractions read a forward operand again, each through
+    its own views) is that one."""
     v = _val(x)
     full = (1,) * (len(shape) - v.dim()) + tuple(v.shape)
+    made = []
     if v.dim() < len(shape):
         x = emit(gm, aten.view.default, (x, list(full)), mode)
+        made.append(x)
     rest = [d for d in range(len(shape)) if d not in order]     # its sizes of 1
     perm = order + rest
     if perm != list(range(len(shape))):
         x = emit(gm, aten.permute.default, (x, perm), mode)
+        made.append(x)
     if not _viewable(_val(x), sizes):
-        x = contiguous(gm, x)
+        key = _layout_key(x)
+        if key in copies:
+            for n in reversed(made):
+                gm.graph.erase_node(n)
+            x = copies[key]
+        else:
+            x = copies[key] = contiguous(gm, x)
     return emit(gm, aten.view.default, (x, sizes), mode)
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
+          aten.expand.default, aten.transpose.int, aten.t.default, aten.slice.Tensor,
+          aten.select.int, aten.alias.default}
+
+
+def _layout_key(x):
+    """What ``x``'s elements are, in its order: the node whose storage it views (through
+    view ops) and its sizes, strides (but at sizes of 1) and offset there."""
+    v = _val(x)
+    root = x
+    while root.op == "call_function" and root.target in _VIEWS:
+        root = root.args[0]
+    strides = tuple(st if n != 1 else 0 for n, st in zip(v.shape, v.stride()))  # any at 1
+    return root, tuple(v.shape), strides, v.storage_offset()
 
 
 def _viewable(v, sizes) -> bool:

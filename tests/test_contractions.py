@@ -42,8 +42,10 @@ def _check(fn, args, contractions, kernels):
     bmm = [op for op in leftover_aten(reports) if op == "aten.bmm.default"]
     assert len(bmm) == contractions, leftover_aten(reports)
     assert sum(len(r.summary["contractions"]) for r in reports) == contractions
-    assert kernel_count(reports) == kernels
-    assert_close(out, fn(*args), atol=1e-4, rtol=1e-4)
+    assert kernel_count(reports) == kernels, [k["ops"] for r in reports for k in r.kernels]
+    outs, wants = (out, fn(*args)) if isinstance(out, tuple) else ((out,), (fn(*args),))
+    for got, want in zip(outs, wants, strict=True):
+        assert_close(got, want, atol=1e-4, rtol=1e-4)
     return reports
 
 
@@ -169,3 +171,19 @@ def test_a_sum_over_a_dim_of_size_one_is_a_pointwise_copy(dtype, keepdim, device
     want = fn(g, l)
     assert out.stride() == want.stride()
     assert torch.equal(out, want) and torch.equal(out.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 3, 16), (3, 19, 2, 17)], ids=str)
+def test_an_operand_read_by_two_contractions_is_copied_once(shape, device):
+    """``a`` [b, l, h, n] is the [b*h, l, n] operand of both sums: one contiguous copy of it,
+    through either sum's own views, where each made its own (Mamba2's backward reads its
+    forward's operands again). (With a batch of 1 the operands are strided views: no copy.)"""
+    def fn(a, b, c):
+        return ((a[:, :, None] * b[:, None]).sum(-1),
+                (a.view(bsz, l, 1, h, n) * c.unsqueeze(1)).sum(-1))
+    bsz, l, h, n = shape
+    a = _randn(*shape, device=device)
+    b, c = _randn(bsz, l + 1, h, n, device=device), _randn(bsz, l + 2, h, n, device=device)
+    reports = _check(fn, (a, b, c), contractions=2, kernels=3)
+    copies = [op for r in reports for k in r.kernels for op in k["ops"] if "clone" in op]
+    assert len(copies) == 5, copies     # a, b and c in; each sum's result out
