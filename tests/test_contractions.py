@@ -187,3 +187,35 @@ def test_an_operand_read_by_two_contractions_is_copied_once(shape, device):
     reports = _check(fn, (a, b, c), contractions=2, kernels=3)
     copies = [op for r in reports for k in r.kernels for op in k["ops"] if "clone" in op]
     assert len(copies) == 5, copies     # a, b and c in; each sum's result out
+
+
+def chunk_scan(C, B, x, L, decay):
+    """transformers 5.17's Mamba2 chunked scan, its four contractions written as products of
+    broadcast operands (the intra-chunk output and the chunk states' output)."""
+    return y_diag(g_of_c_b(C, B, L), x) + y_off(C, states(B, decay, x), decay)
+
+
+def test_the_chunked_scans_training_step_runs_its_contractions_as_bmms(device):
+    """Four contractions forward, eight in the backward (each operand's gradient is one more,
+    through autograd's expands); every gradient against eager."""
+    b, c, l, h, n, p = 2, 2, 16, 3, 16, 17
+    C, B = (_randn(b, c, l, h, n, device=device).requires_grad_() for _ in range(2))
+    x = _randn(b, c, l, h, p, device=device).requires_grad_()
+    L, decay = _randn(b, c, l, l, h, device=device), _randn(b, h, c, l, device=device)
+    g = _randn(b, c, l, h, p, device=device)
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        out = torch.compile(chunk_scan, backend="fusion")(C, B, x, L, decay)
+        out.backward(g)
+    got = [t.grad.clone() for t in (C, B, x)]
+    for t in (C, B, x):
+        t.grad = None
+    want = chunk_scan(C, B, x, L, decay)
+    want.backward(g)
+    assert [r.kind for r in reports] == ["forward", "backward"]
+    assert [len(r.summary["contractions"]) for r in reports] == [4, 8]
+    assert [leftover_aten([r]).count("aten.bmm.default") for r in reports] == [4, 8]
+    assert [r.num_kernels for r in reports] == [5, 5]
+    assert_close(out, want, atol=1e-4, rtol=1e-4)
+    for t, grad in zip((C, B, x), got):
+        assert_close(grad, t.grad, atol=1e-4, rtol=1e-4, name="grad")
