@@ -53,6 +53,8 @@ class CompileContext:
     constants: list = field(default_factory=list)   # (node name, bytes), constant_fold
     # (sum's node name, batch, M, K, N): summed broadcast products run as bmm, contractions
     contractions: list = field(default_factory=list)
+    # (sum's node name, batch, M, K, N, why): matrix products kept fused reductions
+    contractions_kept: list = field(default_factory=list)
     # (Dynamo node name, output shape, taps): depthwise 1-d convolutions rewritten as sums of
     # shifted products before aot_autograd (passes/depthwise_conv.py), on forward graphs
     depthwise_convs: list = field(default_factory=list)

@@ -175,6 +175,11 @@ def render_table(doc) -> str:
                         f"that read the operands again for each output ({len(s['contractions'])}): "
                         + ", ".join(f"{c['node']} {c['batch']} x [{c['m']}, {c['k']}] @ "
                                     f"[{c['k']}, {c['n']}]" for c in s["contractions"])]
+        if s.get("contractions_kept"):
+            out += ["", "summed broadcast products that are matrix products, kept fused "
+                        f"reductions ({len(s['contractions_kept'])}):"]
+            out += [f"  {c['node']} {c['batch']} x [{c['m']}, {c['k']}] @ [{c['k']}, {c['n']}]: "
+                    f"{c['reason']}" for c in s["contractions_kept"]]
         if s.get("depthwise_convs"):
             out += ["", "depthwise 1-d convolutions computed as fused sums of shifted products, "
                         f"not on cuDNN ({len(s['depthwise_convs'])}): "

@@ -127,6 +127,8 @@ def summarize(gm: torch.fx.GraphModule, ctx) -> dict:
         "constants": [{"node": name, "bytes": size} for name, size in ctx.constants],
         "contractions": [{"node": name, "batch": b, "m": m, "k": k, "n": n}
                          for name, b, m, k, n in ctx.contractions],
+        "contractions_kept": [{"node": name, "batch": b, "m": m, "k": k, "n": n, "reason": why}
+                              for name, b, m, k, n, why in ctx.contractions_kept],
         "depthwise_convs": [{"node": name, "shape": list(shape), "taps": taps}
                             for name, shape, taps in ctx.depthwise_convs],
         "empty": list(ctx.empty_values),
@@ -151,7 +153,7 @@ def failed(ctx, error: str) -> dict:
     return {"kind": ctx.kind, "profile": ctx.profile.name, "layout": ctx.layout, "error": error,
             "groups": [],
             "aten_ops": [], "refused": [], "edges": [], "constants": [], "contractions": [],
-            "depthwise_convs": [],
+            "contractions_kept": [], "depthwise_convs": [],
             "empty": [],
             "inplace": [], "input_writes": [], "passed_through": [], "trimmed_cats": [],
             "totals": {"fusible_ops": 0, "kernels_before": 0, "kernels_after": 0, "aten_ops": 0,

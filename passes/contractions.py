@@ -52,24 +52,21 @@ MIN_DIM = 16        # elements of each of M, N and K (products of their dims)
 
 
 def _plan(node):
-    """(a, b, dims) where ``node`` sums a product of broadcast operands that is a matrix
+    """(a, b, dims, why) where ``node`` sums a product of broadcast operands that is a matrix
     product: dims maps each kind ("batch", "m", "n", "k") to its dims of the product, in order;
-    None where it is not, or the rewrite does not apply (module docstring)."""
+    ``why`` is None where the rewrite applies, else why the sum stays a fused reduction
+    (module docstring). None where it is no matrix product."""
     if node.op != "call_function" or node.target is not aten.sum.dim_IntList \
-            or node.kwargs.get("dtype") is not None or len(node.args) < 2 or not node.args[1]:
+            or len(node.args) < 2 or not node.args[1]:
         return None                 # (no dims: a sum of every element)
     prod = node.args[0]
-    if not isinstance(prod, torch.fx.Node) or prod.target is not aten.mul.Tensor \
-            or len(prod.users) != 1 or prod.kwargs:
+    if not isinstance(prod, torch.fx.Node) or prod.target is not aten.mul.Tensor or prod.kwargs:
         return None
     a, b = (_unexpanded(x) for x in prod.args)
     if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
         return None
     va, vb, vp, out = _val(a), _val(b), _val(prod), node.meta.get("val")
     if any(not isinstance(v, torch.Tensor) for v in (va, vb, vp, out)):
-        return None
-    if not (va.dtype == vb.dtype == vp.dtype == out.dtype == torch.float32) \
-            or torch.get_float32_matmul_precision() != "highest":
         return None
     if not all(type(s) is int for v in (va, vb, out) for s in (*v.shape, *v.stride())):
         return None
@@ -95,7 +92,23 @@ def _plan(node):
             dims["n"].append(d)
     if any(math.prod(vp.shape[d] for d in dims[kind]) < MIN_DIM for kind in "mnk"):
         return None
-    return a, b, dims
+    return a, b, dims, _kept(node, prod, va, vb, vp, out)
+
+
+def _kept(node, prod, va, vb, vp, out):
+    """Why the matrix product ``node`` sums stays a fused reduction; None where it may not."""
+    if node.kwargs.get("dtype") is not None:
+        return f"summed in {node.kwargs['dtype']}"
+    if len(prod.users) != 1:
+        return "the product is read by more than the sum"
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in (va, vb, vp, out)}
+    if dtypes != {"float32"}:
+        return (f"{'/'.join(sorted(dtypes))}, not fp32: eager rounds each product before the "
+                "sum, a bmm would not")
+    if torch.get_float32_matmul_precision() != "highest":
+        return ("TF32 matmuls allowed (torch.get_float32_matmul_precision() is "
+                f"{torch.get_float32_matmul_precision()!r}): a bmm would round the operands")
+    return None
 
 
 def _unexpanded(x):
@@ -125,7 +138,8 @@ def _unit_sum(node) -> bool:
 def run(gm: torch.fx.GraphModule, ctx) -> int:
     """Rewrite ``gm``'s summed broadcast products that are matrix products as bmm calls, and
     its sums over dims of size 1 as copies, in place; each bmm named in
-    ``ctx.contractions``. How many."""
+    ``ctx.contractions``, each matrix product left a fused reduction in
+    ``ctx.contractions_kept`` with the reason. How many were rewritten."""
     done = 0
     copies: dict = {}               # (root, layout) -> its contiguous copy made here
     for node in list(gm.graph.nodes):
@@ -137,11 +151,15 @@ def run(gm: torch.fx.GraphModule, ctx) -> int:
         found = _plan(node)
         if found is None:
             continue
-        a, b, dims = found
+        a, b, dims, why = found
         prod = node.args[0]
         vp = _val(prod)
         shape = tuple(vp.shape)
         size = {kind: math.prod(shape[d] for d in ds) for kind, ds in dims.items()}
+        if why is not None:
+            ctx.contractions_kept.append(
+                (node.name, size["batch"], size["m"], size["k"], size["n"], why))
+            continue
         mode = vp.fake_mode
         with gm.graph.inserting_before(node):
             left = _operand(gm, a, shape, dims["batch"] + dims["m"] + dims["k"],

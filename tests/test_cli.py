@@ -543,3 +543,40 @@ def test_dump_reports_a_group_the_code_generator_refuses(capsys, tiny, monkeypat
     (graph,) = doc["graphs"]
     assert graph["groups"] and not any(g["kernel"] for g in graph["groups"])
     assert all("code generation: no kernel for this one" in g["why_not"] for g in graph["groups"])
+
+
+EINSUM = '''
+import torch
+
+
+def make_model_and_inputs(device="cpu", dtype=torch.bfloat16):
+    class G(torch.nn.Module):
+        def forward(self, c, b):
+            return (c[:, :, None, :] * b[:, None, :, :]).sum(-1)
+    return G(), tuple(torch.randn(3, 20, 16, device=device, dtype=dtype) for _ in range(2))
+'''
+
+
+@pytest.mark.parametrize("dtype,kept", [("bfloat16", True), ("float32", False)])
+def test_dump_says_why_a_matrix_product_stays_a_reduction(dtype, kept, tmp_path, capsys):
+    """In bf16 the summed product is a matrix product kept a fused reduction, and the table
+    and the JSON say why; in fp32 it is a bmm."""
+    path = tmp_path / "einsum.py"
+    path.write_text(EINSUM)
+    rc, out, err = dump(capsys, path, "--dtype", dtype)
+    assert rc == 0, err
+    doc = dump_json(capsys, path, "--dtype", dtype)
+    (g,) = doc["graphs"]
+    if kept:
+        assert g["contractions"] == []
+        assert g["contractions_kept"] == [{"node": "sum_1", "batch": 3, "m": 20, "k": 16, "n": 20,
+                                           "reason": "bfloat16, not fp32: eager rounds each "
+                                                     "product before the sum, a bmm would not"}]
+        assert "kept fused reductions (1):\n  sum_1 3 x [20, 16] @ [16, 20]: bfloat16" in out
+        assert [k["label"] for k in g["kernels"]] == ["reduction"]
+    else:
+        assert g["contractions_kept"] == []
+        (c,) = g["contractions"]
+        assert (c["batch"], c["m"], c["k"], c["n"]) == (3, 20, 16, 20)
+        assert "kept fused reductions" not in out
+        assert [a["op"] for a in g["aten_ops"]] == ["bmm"]

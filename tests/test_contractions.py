@@ -107,12 +107,17 @@ def test_gradients_through_the_bmm_match_and_are_bmms(b, c, l, h, n, device):
     assert_close(got[1], B.grad, atol=1e-4, rtol=1e-4, name="B.grad")
 
 
-def _stays_a_reduction(fn, args, dtype):
+def _stays_a_reduction(fn, args, dtype, why=None):
+    """One fused kernel, no bmm; ``why``: the reason the dump gives for keeping the matrix
+    product a reduction (None: no matrix product, nothing to say)."""
     out, reports = compile_and_run(fn, args)
     assert "aten.bmm.default" not in leftover_aten(reports)
     assert not any(r.summary["contractions"] for r in reports)
+    kept = [c["reason"] for r in reports for c in r.summary["contractions_kept"]]
+    assert (kept == []) if why is None else (len(kept) == 1 and why in kept[0]), kept
     assert kernel_count(reports) == 1
     assert_close(out, fn(*args), dtype=dtype)
+    return reports
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -120,7 +125,9 @@ def test_half_precision_products_stay_a_fused_reduction(dtype, device):
     """Eager rounds each product to the dtype before the sum; a bmm would not."""
     C, B = (torch.randn(1, 2, 16, 2, 16, device=device, dtype=dtype) for _ in range(2))
     L = torch.randn(1, 2, 16, 16, 2, device=device, dtype=dtype)
-    _stays_a_reduction(g_of_c_b, (C, B, L), dtype)
+    reports = _stays_a_reduction(g_of_c_b, (C, B, L), dtype, why="not fp32: eager rounds")
+    kept = reports[0].summary["contractions_kept"]
+    assert [(c["batch"], c["m"], c["k"], c["n"]) for c in kept] == [(4, 16, 16, 16)]
 
 
 def test_a_product_by_a_vector_stays_a_fused_reduction(device):
@@ -138,7 +145,7 @@ def test_tf32_matmuls_keep_the_fp32_sum(device):
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
-        _stays_a_reduction(g_of_c_b, (C, B, L), torch.float32)
+        _stays_a_reduction(g_of_c_b, (C, B, L), torch.float32, why="TF32 matmuls allowed")
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -150,6 +157,9 @@ def test_a_product_read_elsewhere_stays(device):
     a, b = _randn(2, 16, 16, device=device), _randn(2, 16, 16, device=device)
     out, reports = compile_and_run(fn, (a, b))
     assert "aten.bmm.default" not in leftover_aten(reports)
+    assert [c["reason"] for r in reports for c in r.summary["contractions_kept"]] == [
+        "the product is read by more than the sum"]
+    assert kernel_count(reports) == 1      # the sum and the max of one product
     for got, want in zip(out, fn(a, b)):
         assert_close(got, want)
 
