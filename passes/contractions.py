@@ -44,6 +44,7 @@ import math
 import torch
 
 from .column_sums import as_copy
+from .fast_calls import CHAIN_VIEWS
 from .pad_gemm import _val, contiguous, emit
 
 aten = torch.ops.aten
@@ -221,18 +222,12 @@ def _operand(gm, x, shape, order, sizes, mode, copies):
     return emit(gm, aten.view.default, (x, sizes), mode)
 
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
-          aten.expand.default, aten.transpose.int, aten.t.default, aten.slice.Tensor,
-          aten.select.int, aten.alias.default}
-
-
 def _layout_key(x):
     """What ``x``'s elements are, in its order: the node whose storage it views (through
     view ops) and its sizes, strides (but at sizes of 1) and offset there."""
     v = _val(x)
     root = x
-    while root.op == "call_function" and root.target in _VIEWS:
+    while root.op == "call_function" and root.target in CHAIN_VIEWS:
         root = root.args[0]
     strides = tuple(st if n != 1 else 0 for n, st in zip(v.shape, v.stride()))  # any at 1
     return root, tuple(v.shape), strides, v.storage_offset()
