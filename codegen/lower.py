@@ -27,7 +27,8 @@ import torch
 from . import ops
 from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, flip_index, join_digits,
                        print_expr, roll_index, view_index)
-from .row_outputs import FLIP, ROLL, alongside, layout_chain, pulled, push_index, reshaped
+from .row_outputs import (FLIP, ROLL, alongside, layout_chain, moved, pulled, push_index,
+                          reshaped)
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
 from .launch import _next_pow2
@@ -69,9 +70,28 @@ def iteration_space(ir: KernelIR):
             raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
                              f"per-row of the reduction over {shape}")
         return "row", shape
-    if len(out_shapes) != 1:
-        raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}")
-    return "pointwise", out_shapes.pop()
+    if len(out_shapes) == 1:
+        return "pointwise", out_shapes.pop()
+    shape = _pointwise_shape(ir)
+    if shape is None:
+        raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}"
+                         ", not views of one another")
+    return "pointwise", shape
+
+
+def _pointwise_shape(ir: KernelIR):
+    """The shape a pointwise kernel with outputs of several shapes iterates over: the first
+    shape, of the outputs' by how many have it and then of the values the kernel computes, where
+    each output of another shape is a view of a value of it, each element once
+    (``row_outputs.moved``: a bmm's output in the layout a later op reads, written beside that
+    op's result). None where there is none."""
+    shapes = [ir.values[o].shape for o in ir.outputs]
+    computed = [v.shape for v in ir.values[len(ir.inputs):]]
+    for shape in dict.fromkeys(sorted(shapes, key=lambda s: -shapes.count(s)) + computed):
+        if all(s == shape or moved(ir, o, shape) is not None
+               for o, s in zip(ir.outputs, shapes)):
+            return shape
+    return None
 
 
 def _sized(shape) -> tuple:
@@ -176,32 +196,21 @@ class Lowering(PointwiseLowering):
             var = self.value(vid, index, frozenset())
             self.tail.append(("store", pos, var, self._offset(index, val.stride), False))
         elif row and (chain := layout_chain(self.ir, vid, self.shape)) is not None:
-            root, chain_ops = chain
-            var = self.value(root, full, frozenset())
-            for op, rid in chain_ops:       # a float cast on the way: on the register
-                if op.target in ops.CASTS:
-                    dst = self.ir.values[rid].dtype
-                    var = self._assign(ops.cast(var.name, var.dtype, dst, guard=(
-                        var.name in self.products and rid in self.summed)), dst,
-                        var.row_level, op.target)
-            index = push_index(full, self.ir, root, chain_ops, self.hints)
-            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            self._store_pushed(pos, val, *chain)
         elif row and val.shape != self.shape and (
                 chain := pulled(self.ir, vid, self.shape)) is not None:
-            index = full
-            for op, rid in reversed(chain):     # back to vid, as the rows read it
-                index = self._source_index(op, rid, index)
-            var = self.value(vid, index, frozenset())
-            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            self._store_pulled(pos, vid, val, chain)
         elif row and val.shape != self.shape and (
                 chain := alongside(self.ir, vid, self.shape)) is not None:
             # where a value of its shape is pulled (through views alone, where a reshaped
             # output is too: the same index)
-            index = full
-            for op, rid in reversed(chain):
-                index = self._source_index(op, rid, index)
-            var = self.value(vid, index, frozenset())
-            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            self._store_pulled(pos, vid, val, chain)
+        elif not row and val.shape != self.shape:     # a view of a value of the iteration's
+            how, chain = moved(self.ir, vid, self.shape)    # (iteration_space checked it)
+            if how == "push":
+                self._store_pushed(pos, val, *chain)
+            else:
+                self._store_pulled(pos, vid, val, chain)
         elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
             index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
             var = self.value(vid, index, frozenset())
@@ -209,6 +218,28 @@ class Lowering(PointwiseLowering):
         else:
             var = self.value(vid, full, frozenset())
             self._emit_to(True, ("store", pos, var, self._offset(full, val.stride), True))
+
+    def _store_pushed(self, pos, val, root, chain_ops):
+        """Store ``val``, value ``root`` laid out again by ``chain_ops`` (``layout_chain``):
+        ``root`` computed at the iteration's index, stored where the chain puts it."""
+        var = self.value(root, self.full, frozenset())
+        for op, rid in chain_ops:       # a float cast on the way: on the register
+            if op.target in ops.CASTS:
+                dst = self.ir.values[rid].dtype
+                var = self._assign(ops.cast(var.name, var.dtype, dst, guard=(
+                    var.name in self.products and rid in self.summed)), dst,
+                    var.row_level, op.target)
+        index = push_index(self.full, self.ir, root, chain_ops, self.hints)
+        self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+
+    def _store_pulled(self, pos, vid, val, chain):
+        """Store ``val`` (value ``vid``), computed and stored at the index ``chain``'s views
+        pull each element of the iteration back to (``pulled``, ``alongside``)."""
+        index = self.full
+        for op, rid in reversed(chain):     # back to vid, as the iteration reads it
+            index = self._source_index(op, rid, index)
+        var = self.value(vid, index, frozenset())
+        self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
 
     def _next_phase(self):
         self.phases.append(Phase())

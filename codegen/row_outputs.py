@@ -13,6 +13,9 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
 - ``alongside``: a value of the shape of one that is ``pulled``, computed and stored at the
   index that one's chain gives each element of the iteration (a channels-first LayerNorm's
   output beside the input whose permuted view the rows are).
+
+A pointwise kernel with outputs of several shapes stores those not of its iteration's shape
+by the same chains (``moved``: ``layout_chain``, ``pulled``, ``alongside``).
 """
 from __future__ import annotations
 
@@ -107,6 +110,22 @@ def pulled(ir: KernelIR, vid: int, shape: tuple):
             return chain
         stack.extend((r, chain + [(ir.ops[r - n_in], r)]) for r in readers.get(v, ()))
     return None
+
+
+def moved(ir: KernelIR, vid: int, shape: tuple):
+    """How a pointwise kernel over ``shape`` stores value ``vid`` of another shape, or None:
+    ("push", (root, ops)), a value of ``shape`` laid out again (``layout_chain``, padding none:
+    a launcher zeroes a pad's margins for row kernels alone), or ("pull", ops), ``vid`` read
+    by views to ``shape`` (``pulled``), or of the shape of a value that is (``alongside``).
+    Either way each element once, at the index the views give it."""
+    chain = layout_chain(ir, vid, shape)
+    if chain is not None and all(op.target != "aten.constant_pad_nd.default"
+                                 or not any(op.args[1]) for op, _ in chain[1]):
+        return "push", chain
+    chain = pulled(ir, vid, shape)
+    if chain is None:
+        chain = alongside(ir, vid, shape)
+    return None if chain is None else ("pull", chain)
 
 
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):

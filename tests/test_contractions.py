@@ -225,7 +225,9 @@ def test_the_chunked_scans_training_step_runs_its_contractions_as_bmms(device):
     assert [r.kind for r in reports] == ["forward", "backward"]
     assert [len(r.summary["contractions"]) for r in reports] == [4, 8]
     assert [leftover_aten([r]).count("aten.bmm.default") for r in reports] == [4, 8]
-    assert [r.num_kernels for r in reports] == [5, 5]
+    # forward 4, not 5: one pointwise kernel writes outputs of two shapes that are views of
+    # one another (test_pointwise_layouts)
+    assert [r.num_kernels for r in reports] == [4, 5]
     assert_close(out, want, atol=1e-4, rtol=1e-4)
     for t, grad in zip((C, B, x), got):
         assert_close(grad, t.grad, atol=1e-4, rtol=1e-4, name="grad")

@@ -129,7 +129,9 @@ def _only_key_repeated(q, k, v):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("f, kernels", [(_masked, 2), (_repeat_also_returned, 3),
+# the repeat returned: its copy, v's, and k4 + 1 (in the attention's [b, h, s, d], a view of
+# the repeat's [b, kv, 3, s, d]) are one kernel (test_pointwise_layouts)
+@pytest.mark.parametrize("f, kernels", [(_masked, 2), (_repeat_also_returned, 2),
                                         (_only_key_repeated, 2)],
                          ids=["mask", "repeat-read-elsewhere", "value-not-repeated"])
 def test_repeats_it_cannot_drop_are_kept(dtype, device, f, kernels):
