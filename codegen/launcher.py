@@ -14,13 +14,12 @@ from . import launch as rules
 from .indexing import print_expr
 from .kernel_ir import KernelIR, ref_id
 from .lowered import GATHERS, VIEWS, flat_args
-from .ops import CASTS, LOGICAL, POINTWISE
+from .ops import ELEMENTWISE
 from .row_outputs import pad_slabs
 
-# ops that read each element of their operands at the index they write: a kernel that reads an
-# input only through these, at the output's shape and strides, reads each element of it before
-# the same program writes that element of the output
-ELEMENTWISE = set(POINTWISE) | set(LOGICAL) | CASTS | {"aten.where.self"}
+# ELEMENTWISE: ops that read each element of their operands at the index they write: a kernel
+# that reads an input only through these, at the output's shape and strides, reads each element
+# of it before the same program writes that element of the output
 
 INDEX_LIMIT = 2**31 - 1
 

@@ -227,6 +227,8 @@ BOOL_BITWISE = {"aten.bitwise_and.Tensor": "aten.logical_and.default",
 # Ops that only change the dtype (or nothing): the value is the operand's, cast.
 CASTS = {"aten.clone.default", "aten._to_copy.default", "prims.convert_element_type.default",
          "aten.alias.default", "aten.detach.default"}
+# Ops that compute each element of their result from the operands' elements at its index.
+ELEMENTWISE = set(POINTWISE) | set(LOGICAL) | CASTS | {"aten.where.self"}
 
 
 _CLAMPS = {"aten.clamp.default": (1, 2), "aten.clamp_min.default": (1, None),

@@ -24,7 +24,7 @@ import sympy
 from .indexing import INDEX_OPS, flip_index, roll_index, view_index
 from .kernel_ir import KernelIR, ref_id
 from .lowered import GATHERS, REDUCTIONS, SCANS, VIEWS, flat_args
-from .ops import CASTS
+from .ops import CASTS, ELEMENTWISE
 
 
 # ops that only lay out their one input again: an output reached from a per-element value of
@@ -112,6 +112,39 @@ def pulled(ir: KernelIR, vid: int, shape: tuple):
     return None
 
 
+# ops an element keeps its place through (push_index maps it), besides elementwise ops
+_TRACE = VIEWS | {"aten.permute.default", "aten.transpose.int", "aten.t.default",
+                  "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
+
+
+def traced(ir: KernelIR, vid: int, shape: tuple):
+    """(root, [(op, result id), ...]) where value ``vid`` is computed element for element from
+    a value ``root`` of ``shape``: through views that keep each element (``_TRACE``) and
+    elementwise ops, each from an operand of its own shape; else None. ``vid`` is evaluated and
+    stored at the index the chain's views move each element of the iteration to
+    (``push_index``), each element once: transformers 5.17's Mamba2 computes its decayed
+    scores in the [c, l, s, h] layout of the cumsum's [h, c, l, s] rows, permuted back."""
+    n_in = len(ir.inputs)
+    stack, seen = [(vid, [])], set()
+    while stack:
+        v, chain = stack.pop()
+        if chain and tuple(ir.values[v].shape) == tuple(shape):
+            return v, chain[::-1]
+        if v < n_in or v in seen:
+            continue
+        seen.add(v)
+        op = ir.ops[v - n_in]
+        if op.target in _TRACE:
+            sources = [ref_id(op.args[0])]
+        elif op.target in ELEMENTWISE:
+            sources = [r for r in map(ref_id, flat_args(op.args)) if r is not None
+                       and tuple(ir.values[r].shape) == tuple(ir.values[v].shape)]
+        else:
+            continue
+        stack.extend((r, chain + [(op, v)]) for r in sources if r is not None)
+    return None
+
+
 def moved(ir: KernelIR, vid: int, shape: tuple):
     """How a pointwise kernel over ``shape`` stores value ``vid`` of another shape, or None:
     ("push", (root, ops)), a value of ``shape`` laid out again (``layout_chain``, padding none:
@@ -125,7 +158,10 @@ def moved(ir: KernelIR, vid: int, shape: tuple):
     chain = pulled(ir, vid, shape)
     if chain is None:
         chain = alongside(ir, vid, shape)
-    return None if chain is None else ("pull", chain)
+    if chain is not None:
+        return "pull", chain
+    chain = traced(ir, vid, shape)
+    return None if chain is None else ("trace", chain)
 
 
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):
@@ -222,6 +258,9 @@ def push_index(index: tuple, ir: KernelIR, root: int, ops: list, hints: dict) ->
         elif t == "aten.squeeze.dim":
             d = op.args[1] % len(shape)
             index = index[:d] + index[d + 1:] if shape[d] == 1 else index
+        elif t == "aten.squeeze.dims":
+            gone = {d % len(shape) for d in op.args[1] if shape[d % len(shape)] == 1}
+            index = tuple(i for d, i in enumerate(index) if d not in gone)
         elif t == ROLL:
             index = roll_index(index, op.args, shape, forward=True)
         elif t == FLIP:

@@ -49,6 +49,20 @@ def scan_layouts(scores, decay):
     return g, m
 
 
+def computed_in_another_layout(x, y):
+    """x * 2, and a value computed from its transpose ([6, 4, 5] of [4, 5, 6]) and y: no view of
+    x * 2, but each element computed from one of it (row_outputs.traced; x * 2 is also read by
+    the transpose, so the kernel could as well iterate over [6, 4, 5]: ``pulled``)."""
+    a = x * 2
+    return a, torch.sigmoid(a.permute(2, 0, 1)) * y
+
+
+def scan_then_permuted(a, s):
+    """A cumsum along rows [h, c, l] and its exp scaled in the [c, l, h] layout, as Mamba2's
+    segment sums are decayed: a row kernel whose output is computed in a permuted layout."""
+    return (torch.exp(torch.cumsum(a, -1).permute(1, 2, 0)) * s).contiguous()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 3, 5), (3, 37, 19), (2, 130, 67)])
 def test_a_copy_and_its_value_in_another_layout_are_one_kernel(shape, dtype, device):
@@ -83,3 +97,17 @@ def test_an_output_that_is_no_view_of_the_other_stays_apart(dtype, device):
         y = x * 2
         return y, (y.expand(3, *x.shape) + 1).contiguous()
     _check(fn, (randn((4, 5), dtype, device),), dtype, kernels=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4, 5, 6), (3, 17, 33)])
+def test_a_value_computed_from_a_transpose_is_stored_beside_it(shape, dtype, device):
+    y = randn((shape[2], shape[0], shape[1]), dtype, device)
+    _check(computed_in_another_layout, (randn(shape, dtype, device), y), dtype, kernels=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h, c, l", [(3, 2, 16), (5, 3, 37)])
+def test_a_row_kernel_computes_an_output_in_a_permuted_layout(h, c, l, dtype, device):
+    a = -randn((h, c, l), dtype, device).abs() * 0.1
+    _check(scan_then_permuted, (a, randn((c, l, h), dtype, device)), dtype, kernels=1)
