@@ -14,8 +14,12 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
   index that one's chain gives each element of the iteration (a channels-first LayerNorm's
   output beside the input whose permuted view the rows are).
 
+- ``traced``: a value computed element for element, by views and elementwise ops, from a value
+  of the iteration's shape (Mamba2's segment sums decayed in another layout than the
+  cumsum's rows), computed and stored at the index the chain's views move each element to.
+
 A pointwise kernel with outputs of several shapes stores those not of its iteration's shape
-by the same chains (``moved``: ``layout_chain``, ``pulled``, ``alongside``).
+by the same chains (``moved``: ``layout_chain``, ``pulled``, ``alongside``, ``traced``).
 """
 from __future__ import annotations
 
