@@ -50,8 +50,10 @@ ZOO = {
     "qwen2": ("Qwen2Config", "Qwen2Model", dict(DECODER, num_key_value_heads=2), "ids",
               {"rmsnorm": 5, "rope": 4, "swiglu": 2}),
     # per-head q and k norms: four more RMSNorms
+    # q's and k's norms over each head take in the rope after them, in [b, h, s, d] of the
+    # norms' [b, s, h] rows (codegen row_outputs.traced)
     "qwen3": ("Qwen3Config", "Qwen3Model", dict(DECODER, num_key_value_heads=2, head_dim=16),
-              "ids", {"rmsnorm": 9, "rope": 4, "swiglu": 2}),
+              "ids", {"rmsnorm": 5, "rmsnorm+rope": 4, "swiglu": 2}),
     "gemma": ("GemmaConfig", "GemmaModel", dict(DECODER, num_key_value_heads=2, head_dim=16),
               "ids", {"rmsnorm": 5, "rope": 4, "gelu": 2}),
     # eager attention: the scores' tanh soft-capping joins the softmax
