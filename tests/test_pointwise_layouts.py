@@ -111,3 +111,14 @@ def test_a_value_computed_from_a_transpose_is_stored_beside_it(shape, dtype, dev
 def test_a_row_kernel_computes_an_output_in_a_permuted_layout(h, c, l, dtype, device):
     a = -randn((h, c, l), dtype, device).abs() * 0.1
     _check(scan_then_permuted, (a, randn((c, l, h), dtype, device)), dtype, kernels=1)
+
+
+def centered_then_permuted(a, s):
+    """Rows centered on their max, exponentiated and scaled in the [c, l, h] layout."""
+    return (torch.exp(a - a.amax(-1, keepdim=True)).permute(1, 2, 0) * s).contiguous()
+
+
+def test_a_row_kernels_permuted_output_at_dynamic_sizes(device):
+    for h, c, l in [(3, 2, 16), (5, 3, 37)]:
+        a, s = randn((h, c, l), torch.float32, device), randn((c, l, h), torch.float32, device)
+        _check(centered_then_permuted, (a, s), torch.float32, kernels=1, dynamic=True)
