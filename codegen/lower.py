@@ -86,7 +86,12 @@ def _pointwise_shape(ir: KernelIR):
     (``row_outputs.moved``: a bmm's output in the layout a later op reads, written beside that
     op's result). None where there is none."""
     shapes = [ir.values[o].shape for o in ir.outputs]
-    computed = [v.shape for v in ir.values[len(ir.inputs):]]
+    numels = {sympy.expand(sympy.Mul(*s)) for s in shapes}
+    if len(numels) != 1:
+        return None             # no view holds each element of another size once
+    n = numels.pop()
+    computed = [s for s in dict.fromkeys(v.shape for v in ir.values[len(ir.inputs):])
+                if sympy.expand(sympy.Mul(*s) - n) == 0]
     for shape in dict.fromkeys(sorted(shapes, key=lambda s: -shapes.count(s)) + computed):
         if all(s == shape or moved(ir, o, shape) is not None
                for o, s in zip(ir.outputs, shapes)):

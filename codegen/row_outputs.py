@@ -12,8 +12,7 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
   computed and stored at the index the reshape gives each element of the iteration;
 - ``alongside``: a value of the shape of one that is ``pulled``, computed and stored at the
   index that one's chain gives each element of the iteration (a channels-first LayerNorm's
-  output beside the input whose permuted view the rows are).
-
+  output beside the input whose permuted view the rows are);
 - ``traced``: a value computed element for element, by views and elementwise ops, from a value
   of the iteration's shape (Mamba2's segment sums decayed in another layout than the
   cumsum's rows), computed and stored at the index the chain's views move each element to.
@@ -153,8 +152,9 @@ def moved(ir: KernelIR, vid: int, shape: tuple):
     """How a pointwise kernel over ``shape`` stores value ``vid`` of another shape, or None:
     ("push", (root, ops)), a value of ``shape`` laid out again (``layout_chain``, padding none:
     a launcher zeroes a pad's margins for row kernels alone), or ("pull", ops), ``vid`` read
-    by views to ``shape`` (``pulled``), or of the shape of a value that is (``alongside``).
-    Either way each element once, at the index the views give it."""
+    by views to ``shape`` (``pulled``), or of the shape of a value that is (``alongside``), or
+    ("trace", (root, ops)), computed element for element from a value of ``shape``
+    (``traced``). Each way each element once, at the index the views give it."""
     chain = layout_chain(ir, vid, shape)
     if chain is not None and all(op.target != "aten.constant_pad_nd.default"
                                  or not any(op.args[1]) for op, _ in chain[1]):
