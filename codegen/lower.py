@@ -27,8 +27,8 @@ import torch
 from . import ops
 from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, flip_index, join_digits,
                        print_expr, roll_index, view_index)
-from .row_outputs import (FLIP, ROLL, alongside, layout_chain, moved, pulled, push_index,
-                          reshaped, traced)
+from .row_outputs import (FLIP, ROLL, alongside, layout_chain, moved, pointwise_shape, pulled,
+                          push_index, reshaped, traced)
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
 from .launch import _next_pow2
@@ -72,31 +72,11 @@ def iteration_space(ir: KernelIR):
         return "row", shape
     if len(out_shapes) == 1:
         return "pointwise", out_shapes.pop()
-    shape = _pointwise_shape(ir)
+    shape = pointwise_shape(ir)
     if shape is None:
         raise NotFusable(f"pointwise outputs of different shapes {sorted(map(str, out_shapes))}"
                          ", not views of one another")
     return "pointwise", shape
-
-
-def _pointwise_shape(ir: KernelIR):
-    """The shape a pointwise kernel with outputs of several shapes iterates over: the first
-    shape, of the outputs' by how many have it and then of the values the kernel computes, where
-    each output of another shape is a view of a value of it, each element once
-    (``row_outputs.moved``: a bmm's output in the layout a later op reads, written beside that
-    op's result). None where there is none."""
-    shapes = [ir.values[o].shape for o in ir.outputs]
-    numels = {sympy.expand(sympy.Mul(*s)) for s in shapes}
-    if len(numels) != 1:
-        return None             # no view holds each element of another size once
-    n = numels.pop()
-    computed = [s for s in dict.fromkeys(v.shape for v in ir.values[len(ir.inputs):])
-                if sympy.expand(sympy.Mul(*s) - n) == 0]
-    for shape in dict.fromkeys(sorted(shapes, key=lambda s: -shapes.count(s)) + computed):
-        if all(s == shape or moved(ir, o, shape) is not None
-               for o, s in zip(ir.outputs, shapes)):
-            return shape
-    return None
 
 
 def _sized(shape) -> tuple:

@@ -17,8 +17,9 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
   of the iteration's shape (Mamba2's segment sums decayed in another layout than the
   cumsum's rows), computed and stored at the index the chain's views move each element to.
 
-A pointwise kernel with outputs of several shapes stores those not of its iteration's shape
-by the same chains (``moved``: ``layout_chain``, ``pulled``, ``alongside``, ``traced``).
+A pointwise kernel with outputs of several shapes iterates over one of them where the others
+are views of it (``pointwise_shape``), and stores those by the same chains (``moved``:
+``layout_chain``, ``pulled``, ``alongside``, ``traced``).
 """
 from __future__ import annotations
 
@@ -166,6 +167,26 @@ def moved(ir: KernelIR, vid: int, shape: tuple):
         return "pull", chain
     chain = traced(ir, vid, shape)
     return None if chain is None else ("trace", chain)
+
+
+def pointwise_shape(ir: KernelIR):
+    """The shape a pointwise kernel with outputs of several shapes iterates over: the first
+    shape, of the outputs' by how many have it and then of the values the kernel computes, where
+    each output of another shape is a view of a value of it, each element once
+    (``moved``: a bmm's output in the layout a later op reads, written beside that
+    op's result). None where there is none."""
+    shapes = [ir.values[o].shape for o in ir.outputs]
+    numels = {sympy.expand(sympy.Mul(*s)) for s in shapes}
+    if len(numels) != 1:
+        return None             # no view holds each element of another size once
+    n = numels.pop()
+    computed = [s for s in dict.fromkeys(v.shape for v in ir.values[len(ir.inputs):])
+                if sympy.expand(sympy.Mul(*s) - n) == 0]
+    for shape in dict.fromkeys(sorted(shapes, key=lambda s: -shapes.count(s)) + computed):
+        if all(s == shape or moved(ir, o, shape) is not None
+               for o, s in zip(ir.outputs, shapes)):
+            return shape
+    return None
 
 
 def layout_chain(ir: KernelIR, vid: int, shape: tuple):

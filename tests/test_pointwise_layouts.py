@@ -1,5 +1,5 @@
 """Pointwise kernels whose outputs have different shapes that are views of one another
-(codegen/lower.py ``_pointwise_shape``, row_outputs.moved): a copy in one layout returned
+(codegen/row_outputs.py ``pointwise_shape``, ``moved``): a copy in one layout returned
 beside a value computed from it in another (transformers 5.17's Mamba2 keeps a bmm's output in
 the layout its scan reads and computes its decay mask in the bmm's own) is one kernel, each
 output stored where the views put each element of the iteration. Kernel counts and values
