@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._functorch.partitioners import default_partition
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import aot_cache, cudagraphs, measure
+from . import aot_cache, cudagraphs, measure, saved_constants
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
@@ -380,7 +380,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                             inference_compiler=compiler("inference"),
                             decompositions=decomposition_table(
                                 late_decompose.deferred(gm, example_inputs), config.max_pool),
-                            partition_fn=min_cut_rematerialization_partition
+                            partition_fn=saved_constants.partition
                             if partition == "min_cut" else default_partition,
                             keep_inference_input_mutations=True,
                             )(gm, example_inputs)

@@ -145,6 +145,7 @@ def _search(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 for x in pred[m]:
                     push(x, m)
                     push_recompute(x)
+                push_recompute(m)   # one that loads nothing may be computed again in turn
             continue
         if p not in groups or c not in groups or (p, c) in refused:
             continue    # a group merged since this candidate was scored

@@ -36,7 +36,7 @@ def candidate(groups, p, consumers, view, ctx):
 
     Possible when p has no reduction (a reduction is never duplicated), at least two consumer
     groups, and nothing else reads it (no ATen op, no graph output), and p holds no ops that
-    are recomputed already: recomputing again what was recomputed makes chains (a residual
+    are recomputed already, unless it loads nothing: recomputing again what was recomputed makes chains (a residual
     stream x1 = x0 + a0, x2 = x1 + a1, ...: each step saves a launch, and each layer's kernels
     end up reading every earlier layer's output; Llama 1 x 128 on the H200 with a calibrated
     profile: its 16 RMSNorm kernels measured 4.8 us at the first and 9.3 us at the last)."""
@@ -54,7 +54,9 @@ def candidate(groups, p, consumers, view, ctx):
     score = prod.cost.time + sum(groups[c].cost.time for c in consumers) - sum(
         g.cost.time for g in merged) - sum(
         read_across_the_grain(prod, groups[c], view, ctx.size_hints)[0] for c in consumers)
-    if score <= 0 or prod.recomputed:
+    # a producer that loads nothing (a mask made of aranges) reads no earlier layer's output
+    # however often it is computed again: no chain to make
+    if score <= 0 or (prod.recomputed and prod.inputs):
         ctx.decisions.append(decision(
             prod, consumers, groups, merged, score, False,
             "holds recomputed ops: recomputing them again would make chains" if score > 0 else
