@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import aot_cache, cudagraphs, measure, saved_constants
+from . import aot_cache, cudagraphs, measure, training_partition
 from .codegen.triton_lib import interpreting
 from .config import Config, ConfigError, with_compile_args
 from .decompositions import decomposition_table
@@ -380,7 +380,7 @@ def fusion_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                             inference_compiler=compiler("inference"),
                             decompositions=decomposition_table(
                                 late_decompose.deferred(gm, example_inputs), config.max_pool),
-                            partition_fn=saved_constants.partition
+                            partition_fn=training_partition.partition
                             if partition == "min_cut" else default_partition,
                             keep_inference_input_mutations=True,
                             )(gm, example_inputs)
