@@ -4,13 +4,16 @@ from constants alone made in the backward instead.
 
 The min-cut partitioner saves a forward value for the backward, or recomputes it there,
 choosing the cut that saves the fewest bytes; it recomputes only ops on its list of ops
-Inductor fuses (``get_default_op_list``). Two ops the kernels here compute as well are not on
-it: ``cumsum`` (a scan in a row kernel) and ``constant_pad_nd`` (index arithmetic and a mask).
-So the partitioner saved their outputs, however large: Mamba2's segment sum, a cumsum over
-the chunk of a [heads, chunks, 256, 256] expansion of a [heads, chunks, 256] input, and the
-fp32 pads of its x, B and C. ``partition`` adds the two ops to the list while it runs: in
-transformers 5.17's Mamba2 (one layer, 1 x 1024, bf16) the forward saves 90.4 MB, not
-174.3 MB, and the fused kernels' estimate falls from 619 to 576 us.
+Inductor fuses (``get_default_op_list``). ``cumsum``, which the kernels here compute (a scan
+in a row kernel), is not on it, so the partitioner saved a cumsum's output however large:
+Mamba2's segment sum, a cumsum over the chunk of a [heads, chunks, 256, 256] expansion of a
+[heads, chunks, 256] input. ``partition`` adds it to the list while it runs: in transformers
+5.17's Mamba2 (one layer, 1 x 1024, bf16) the forward saves 140.9 MB, not 174.3 MB, and the
+fused kernels' estimate falls from 619 to 588 us. ``constant_pad_nd`` is left off, though the
+kernels compute it too (Mamba2's fp32 pads of x, B and C would not be saved either: 90.4 MB):
+on the list, it let the partitioner recompute a max pool's window maxima in the backward
+(the -inf pad before them was all that stopped it), each input element's four windows of
+nine values, where the forward saves each maximum's position in two bytes (max_pool.py).
 
 The partitioner can still save values made from constants alone: Mamba2's segment-sum masks
 (``tril`` of aranges, four a layer) are saved with either list. The forward then writes each
@@ -44,7 +47,8 @@ log = logging.getLogger("fusion_compiler")
 aten = torch.ops.aten
 
 # ops the kernels compute, memory-bound like the pointwise ops, that aot_autograd's list lacks
-RECOMPUTABLE = (aten.cumsum, aten.constant_pad_nd)
+# (not constant_pad_nd: see above)
+RECOMPUTABLE = (aten.cumsum,)
 
 
 def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):

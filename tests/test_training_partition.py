@@ -96,41 +96,6 @@ def test_a_cumsum_is_recomputed_rather_than_its_large_output_saved(monkeypatch, 
     assert [(r.kind, r.num_kernels) for r in reports] == [("forward", 2), ("backward", 5)]
 
 
-def padded_wave(x, w):
-    """Mamba2's pads of its bf16 x, B and C to the chunk size, in fp32."""
-    p = torch.nn.functional.pad(x.float(), (0, 3))
-    return (p.sin() * p * w).to(x.dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(4, 13), (3, 5, 41)], ids=str)
-def test_a_pad_is_recomputed_from_its_smaller_input(monkeypatch, tmp_path, dtype, shape,
-                                                    device):
-    """The forward saves x (2 bytes an element), not its fp32 pad (4 bytes, 3 more columns),
-    which the backward's kernel computes again: the same kernel counts."""
-    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(tmp_path))
-    saved = []
-    recompute = training_partition.recompute_constants
-
-    def recording(fw, bw, num_fwd_outputs):
-        outs = list(fw.graph.find_nodes(op="output"))[0].args[0][num_fwd_outputs:]
-        saved.extend((tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in outs)
-        return recompute(fw, bw, num_fwd_outputs)
-    monkeypatch.setattr(training_partition, "recompute_constants", recording)
-    x = torch.randn(shape, device=device, dtype=dtype).requires_grad_()
-    w = torch.randn(shape[-1] + 3, device=device).requires_grad_()
-    g = torch.randn(*shape[:-1], shape[-1] + 3, device=device, dtype=dtype)
-    out, grads, reports = _train(padded_wave, (x, w), g)
-    assert sorted(saved, key=str) == sorted([(shape, dtype), ((shape[-1] + 3,), torch.float32)],
-                                            key=str)
-    assert [(r.kind, r.num_kernels) for r in reports] == [("forward", 1), ("backward", 2)]
-    want = padded_wave(x, w)
-    want.backward(g)
-    assert_close(out, want)
-    for got, t in zip(grads, (x, w)):
-        assert_close(got, t.grad, name="grad", atol=0.05, rtol=0.02)
-
-
 def _graph(build):
     """A forward GraphModule of one input ``x`` [4] whose nodes carry fake ``val``s, as
     aot_autograd's do."""
