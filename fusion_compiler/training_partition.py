@@ -42,6 +42,7 @@ from torch._functorch import partitioners
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .passes.constant_fold import is_pure
+from .passes.late_decompose import ancestors
 
 log = logging.getLogger("fusion_compiler")
 aten = torch.ops.aten
@@ -124,12 +125,7 @@ def recompute_constants(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
 def _make_in_backward(moving: dict, bw: torch.fx.GraphModule) -> None:
     """Copy the ops that make each forward value of ``moving`` into ``bw`` (ops shared by
     several values once), and read the copy where its placeholder was."""
-    needed, stack = set(), list(moving)
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+    needed = ancestors(moving)
     fw_graph = next(iter(moving)).graph
     copies, anchor = {}, list(bw.graph.find_nodes(op="placeholder"))[-1]
     for node in fw_graph.nodes:         # forward order, each copy after the one before

@@ -141,7 +141,7 @@ def _inline(gm, node, template) -> None:
         return
     users = {} if single else {u: u.args[1] for u in node.users}
     wanted = [outputs[0]] if single else [outputs[i] for i in set(users.values())]
-    needed = _ancestors(wanted)
+    needed = ancestors(wanted)
     inputs = [a for a in node.args if isinstance(a, torch.fx.Node)]
     env = dict(zip(template.graph.find_nodes(op="placeholder"), inputs))
     mode = inputs[0].meta["val"].fake_mode
@@ -164,7 +164,8 @@ def _inline(gm, node, template) -> None:
     graph.erase_node(node)
 
 
-def _ancestors(nodes) -> set:
+def ancestors(nodes) -> set:
+    """``nodes`` and every node they read, directly or through others."""
     seen, stack = set(), list(nodes)
     while stack:
         n = stack.pop()

@@ -77,6 +77,18 @@ def assert_outputs_close(out, expected):
         assert_close(got, want, dtype=want.dtype, name=f"output {k}")
 
 
+def segment_sum(a):
+    """transformers' Mamba2 ``segment_sum`` (its PyTorch path): the chunk's decays expanded to
+    [l, l], masked below the diagonal, summed down the columns (``cumsum(dim=-2)``), masked
+    with -inf above it."""
+    n = a.size(-1)
+    t = a[..., None].expand(*a.size(), n)
+    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=-1)
+    s = torch.cumsum(t.masked_fill(~below, 0), dim=-2)
+    keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
+    return s.masked_fill(~keep, -torch.inf)
+
+
 def kernel_count(reports, kind=None):
     return sum(r.num_kernels for r in reports if kind is None or r.kind == kind)
 

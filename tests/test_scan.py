@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fusion_compiler
-from helpers import TOL, aten_reasons, assert_close, compile_and_run, kernel_count, leftover_aten
+from helpers import (TOL, aten_reasons, assert_close, compile_and_run, kernel_count, leftover_aten,
+                     segment_sum)
 from patterns import randn
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -272,12 +273,7 @@ def test_mamba2_segment_sums_are_one_kernel(dtype, device):
     x = -randn((2, 3, 2, 20), dtype, device).abs()
 
     def f(a):
-        n = a.size(-1)
-        t = a[..., None].expand(*a.size(), n)
-        below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=-1)
-        s = torch.cumsum(t.masked_fill(~below, 0), dim=-2)
-        keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
-        return torch.exp(s.masked_fill(~keep, -torch.inf))
+        return torch.exp(segment_sum(a))
     out, reports = compile_and_run(f, (x,))
     assert kernel_count(reports) == 1 and leftover_aten(reports) == []
     assert [k["label"] for k in reports[0].kernels] == ["cumsum"]

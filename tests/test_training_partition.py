@@ -9,19 +9,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import fusion_compiler
 from fusion_compiler import training_partition
-from helpers import assert_close
+from helpers import assert_close, segment_sum
 
 aten = torch.ops.aten
-
-
-def segment_sum(a):
-    """transformers' Mamba2 ``segment_sum``: two triangular masks around a cumsum."""
-    n = a.size(-1)
-    a = a[..., None].expand(*a.size(), n)
-    mask = torch.tril(torch.ones(n, n, device=a.device, dtype=torch.bool), diagonal=-1)
-    s = torch.cumsum(a.masked_fill(~mask, 0), dim=-2)
-    mask = torch.tril(torch.ones(n, n, device=a.device, dtype=torch.bool), diagonal=0)
-    return s.masked_fill(~mask, -torch.inf)
 
 
 def decayed(a, x):
