@@ -11,7 +11,7 @@ import re
 import sympy
 import torch
 
-from . import ops
+from . import ops, tiles
 from .indexing import affine_coeffs, coalesce, flatten_index, print_expr, step_divisors
 from .launcher import checks_indices, py_expr
 from .lowered import COL, LoweredKernel
@@ -53,11 +53,13 @@ def memory_order(lk: LoweredKernel, syms: list, sizes: list):
 
 
 def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), stage=None,
-                   strided: bool = False):
+                   strided: bool = False, tiling: dict | None = None):
     """Source of one @triton.jit kernel and the names of its runtime size arguments. ``late``:
     a persistent kernel's loads written twice, under its HOIST switch (``late_loads``).
     ``stage``: a looped kernel's phase ``stage`` alone, over one chunk of the row
-    (``row_loops.split_phases``)."""
+    (``row_loops.split_phases``). ``tiling``: where given, a pointwise kernel may take 2-d
+    tiles (codegen/tiles.py), and ``tiling["cap"]`` is then the most elements its launcher
+    may give a program."""
     row = lk.kind == "row"
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
@@ -72,8 +74,15 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     subs[COL] = COLS
     lin = RINDEX if row else XINDEX
     vec = {RINDEX, COLS} if row else {XINDEX}
+    tile = (tiles.plan(lk, new_syms, new_sizes, subs) if tiling is not None and not row
+            else None)
+    if tile is not None:
+        tiling["cap"] = tile.cap
+        vec = {tile.names[tile.x], tile.names[tile.y]}
 
     def idx(e):
+        if tile is not None:
+            return sympy.sympify(e).xreplace(subs).xreplace(tile.names)
         return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
 
     # a looped kernel's rows that do not start on 16 bytes: (elements in 16 bytes, the row's
@@ -103,7 +112,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
                 parts.append("rmask")
             if COLS in parts_syms:
                 parts.append("cmask")
-        elif XINDEX in parts_syms:
+        elif XINDEX in parts_syms:     # (a tiled kernel's tiles need no mask)
             parts.append("xmask")
         cond = condition(pred_set)
         if cond is False:
@@ -162,7 +171,8 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             addr = f"in{in_id} + (rowa + vcols)"
             return ["if inner:", f"    {var.name} = tl.load({addr}{hint}){conv}", "else:",
                     f"    {var.name} = tl.load({addr}, mask={m}{other}){conv}"]
-        vector = f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}"
+        vector = (f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}){conv}" if m == "True"
+                  else f"{var.name} = tl.load(in{in_id} + {print_expr(off)}{pad}, mask={m}{other}){conv}")
         ks = step_divisors(off, COLS) if stage is not None and not pred_set else None
         if ks:
             # one value a step (a GroupNorm's weight at the step's channel): one scalar load,
@@ -176,7 +186,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     def store(stmt, evict=None):
         _, pos, var, offset, row_level = stmt
         off = idx(offset)
-        want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else {XINDEX}
+        want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else vec
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
         mask = mask_of(want, ())
         if scalar_row and not row_level:
@@ -197,6 +207,8 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             addr = f"out{pos} + (rowa + vcols)"
             return ["if inner:", f"    tl.store({addr}, {value}{hint})", "else:",
                     f"    tl.store({addr}, {value}, mask={mask}{hint})"]
+        if mask == "True":
+            return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}{hint})"]
         return [f"tl.store(out{pos} + {print_expr(off)}{pad}, {value}, mask={mask}{hint})"]
 
     defs = {st[1].name: st[2] for ph in lk.phases for st in ph.outer + ph.body + lk.tail
@@ -275,6 +287,13 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
                   f"rmask = rindex < {bound}"]
         lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
         for stmt in lk.tail:
+            lines += stmt_lines(stmt)
+    elif tile is not None:
+        lines += ([] if part else ["pid = tl.program_id(0)"]) + [
+                  "if INDEX64:",
+                  "    pid = pid.to(tl.int64)"]
+        lines += tiles.index_lines(tile, new_syms, new_sizes)
+        for stmt in loads_first(lk.phases[0].outer + lk.phases[0].body):
             lines += stmt_lines(stmt)
     else:
         lines += ([] if part else ["pid = tl.program_id(0)"]) + [

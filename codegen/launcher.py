@@ -188,7 +188,8 @@ def _max_offset(shape, stride):
 
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
                     hoists: bool = False, strided: int = 0, partials: int = 0,
-                    reuse=None, looped_block: int = rules.LOOPED_RBLOCK) -> str:
+                    reuse=None, looped_block: int = rules.LOOPED_RBLOCK,
+                    block_cap: int | None = None) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
@@ -198,7 +199,9 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     ``partials``: the looped kernel's reductions, where its split stages ``split0``... exist
     (few long rows: ``split_settings``); ``reuse``: a row kernel's outputs it may write over
     dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``);
-    ``looped_block``: the looped kernel's and split stages' step (``launch.row_limits``)."""
+    ``looped_block``: the looped kernel's and split stages' step (``launch.row_limits``);
+    ``block_cap``: the most elements a program of a tiled pointwise kernel (or part) takes, so
+    that its tiles divide their dims (codegen/tiles.py)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -319,6 +322,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         names = [f"numel{i}" for i in range(len(numels))]
         lines += [f"    {name} = {py_expr(n)}" for name, n in zip(names, numels)]
         lines += [f"    BLOCK, num_warps = pointwise_settings(max({', '.join(names)}))",
+                  *([f"    BLOCK = min(BLOCK, {block_cap})"] if block_cap else []),
                   "    grid = " + " + ".join(f"({n} + BLOCK - 1) // BLOCK" for n in names)]
         lines += launch("multipart", "grid", kernels["multipart"] + names,
                         ["BLOCK", "index64"], ["BLOCK", "num_warps"], 4)
@@ -326,6 +330,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         lines += [f"    numel = {py_expr(sympy.Mul(*shape))}",
                   "    if numel > 0:",
                   f"        BLOCK, num_warps = pointwise_settings(numel, {stream_bytes(ir, shape)})",
+                  *([f"        BLOCK = min(BLOCK, {block_cap})"] if block_cap else []),
                   "        grid = (numel + BLOCK - 1) // BLOCK",
                   "        EVEN = numel % BLOCK == 0"]
         lines += launch("pointwise", "grid", kernels["pointwise"] + ["numel"],

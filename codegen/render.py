@@ -38,8 +38,10 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     partials = 0            # a looped kernel's reductions: the split stages' partials a row
     reuse = None            # a persistent kernel's outputs over dead inputs (launcher.py)
     looped_block = rules.LOOPED_RBLOCK      # a looped kernel's step (launch.row_limits)
+    tiling = {}             # a tiled pointwise kernel's cap on BLOCK (codegen/tiles.py)
     if kind == "pointwise":
-        kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(), "_pointwise_kernel")))
+        kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(),
+                                                   "_pointwise_kernel", tiling=tiling)))
     else:
         n = shape[-1]
         scans = any(op.target in SCANS for op in ir.ops)
@@ -86,7 +88,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, bool(late), strided,
-                                partials, reuse, looped_block)
+                                partials, reuse, looped_block, tiling.get("cap"))
     if strided:
         launcher = f"STRIDED = {strided}\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
@@ -111,9 +113,12 @@ def multipart_parts(ir: KernelIR):
 
 def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str) -> str:
     sources, calls, runtime = [], [], set()
-    shapes = []
+    shapes, caps = [], []
     for i, (sub, inputs, positions) in enumerate(parts):
-        src, size_args = render_kernel(Lowering(sub, hints, True).run(), f"_part{i}", part=True)
+        tiling = {}
+        src, size_args = render_kernel(Lowering(sub, hints, True).run(), f"_part{i}", part=True,
+                                       tiling=tiling)
+        caps += [tiling["cap"]] if tiling else []
         sources.append(src)
         runtime |= set(size_args)
         args = ([f"in{j}" for j in inputs] + [f"out{p}" for p in positions] + size_args)
@@ -143,7 +148,8 @@ def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str) -> str:
     code = "\n".join("    " + ln for ln in lines)
     wrapper = f"@triton.jit\ndef _multipart_kernel(\n{sig}\n):\n{code}"
     header = _header(ir, title, f"multi-part: {len(parts)} parts")
-    launcher = render_launcher(ir, "multipart", shapes, {"multipart": runtime}, 0)
+    launcher = render_launcher(ir, "multipart", shapes, {"multipart": runtime}, 0,
+                               block_cap=min(caps) if caps else None)
     body = "\n\n".join(sources + [wrapper])
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
 

@@ -1,0 +1,119 @@
+"""Pointwise kernels over 2-d tiles (codegen/tiles.py): an access walked along another dim than
+the kernel's innermost one (a transposed output or input) gets tiles of that dim by the
+innermost one, so each load and store walks contiguous memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion_compiler.codegen import tiles
+from helpers import TOL, assert_close, compile_and_run, kernel_count
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TILED = "xo = tl.arange("
+
+
+def silu_both_ways(x, b):
+    """One value stored in two layouts: as computed, and with its last two dims swapped."""
+    y = torch.nn.functional.silu(x + b)
+    return y.transpose(-1, -2).contiguous(), y * 2
+
+
+def chunked(x, d):
+    """transformers 5.17's Mamba2 in small: [b, l, h, n] values stored as [b, h, n, l] (the
+    chunked B and C of its scan), beside a scaled copy in their own layout; ``d`` a per-(h, l)
+    decay read along the transposed dim."""
+    y = x * torch.exp(d).transpose(1, 2).unsqueeze(-1)
+    return y.permute(0, 2, 3, 1).contiguous(), y + 1
+
+
+def sources(cache_dir) -> str:
+    return "\n".join(p.read_text() for p in sorted(cache_dir.rglob("*.py")))
+
+
+def check(fn, args, dtype, cache_dir, tiled: bool):
+    out, reports = compile_and_run(fn, args)
+    expected = fn(*args)
+    assert kernel_count(reports) == 1
+    for o, e in zip(out, expected):
+        assert o.shape == e.shape and o.stride() == e.stride()
+        assert_close(o, e, dtype)
+    assert (TILED in sources(cache_dir)) == tiled
+    return sources(cache_dir)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 64, 48), (2, 80, 96), (1, 128, 256)])
+def test_a_transposed_output_is_written_in_tiles(cache_dir, device, dtype, shape):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    b = torch.randn(shape[-1], dtype=dtype, device=device)
+    text = check(silu_both_ways, (x, b), dtype, cache_dir, tiled=True)
+    assert "mask=" not in text.split("def launch")[0]        # tiles divide their dims
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scalar_dims_between_the_tiled_ones(cache_dir, device, dtype):
+    """[b, l, h, n] -> [b, h, n, l]: h, between l and n, is one value a program."""
+    x = torch.randn(2, 48, 3, 32, dtype=dtype, device=device)
+    d = torch.randn(2, 3, 48, dtype=torch.float32, device=device)
+    check(chunked, (x, d), dtype, cache_dir, tiled=True)
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 64), (3, 33, 64), (3, 64, 24)])
+def test_dims_that_tiles_cannot_divide_stay_one_dimensional(cache_dir, device, shape):
+    """A transposed dim of 40 or 33 (a power of two under 16 divides it) or an innermost dim
+    of 24: the 1-d kernel, with its masks."""
+    x = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    b = torch.randn(shape[-1], dtype=torch.bfloat16, device=device)
+    check(silu_both_ways, (x, b), torch.bfloat16, cache_dir, tiled=False)
+
+
+def test_without_the_plan_the_same_kernel_is_one_dimensional(cache_dir, device, monkeypatch):
+    monkeypatch.setattr(tiles, "plan", lambda *a, **k: None)
+    x = torch.randn(3, 64, 48, dtype=torch.float32, device=device)
+    b = torch.randn(48, dtype=torch.float32, device=device)
+    check(silu_both_ways, (x, b), torch.float32, cache_dir, tiled=False)
+
+
+def test_the_launcher_caps_the_block_at_the_tiles(cache_dir, device):
+    """A transposed dim of 16 and an innermost one of 64: tiles of at most 16 x 64, so the
+    launcher holds BLOCK (2048 by the pointwise rule) to 1024."""
+    x = torch.randn(5, 16, 64, dtype=torch.float32, device=device)
+    b = torch.randn(64, dtype=torch.float32, device=device)
+    text = check(silu_both_ways, (x, b), torch.float32, cache_dir, tiled=True)
+    assert "BLOCK = min(BLOCK, 1024)" in text
+
+
+def test_a_tiled_part_of_a_multipart_kernel(cache_dir, device):
+    """Sibling computations of different shapes that share an input make a multi-part kernel
+    (codegen/multipart.py); the tiled part's cap holds the shared BLOCK."""
+    def two(a, b, s):
+        return (a * s).transpose(1, 2).contiguous(), torch.sigmoid(b + s)
+    a = torch.randn(4, 32, 64, dtype=torch.bfloat16, device=device)
+    b = torch.randn(7, 64, dtype=torch.bfloat16, device=device)
+    s = torch.randn(64, dtype=torch.bfloat16, device=device)
+    text = check(two, (a, b, s), torch.bfloat16, cache_dir, tiled=True)
+    assert "_multipart_kernel" in text
+    assert "BLOCK = min(BLOCK, 2048)" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_through_tiled_kernels(cache_dir, device, dtype):
+    x = torch.randn(2, 48, 3, 32, dtype=dtype, device=device, requires_grad=True)
+    d = torch.randn(2, 3, 48, dtype=torch.float32, device=device, requires_grad=True)
+
+    def loss(a, b):
+        return a.float().sin().sum() + (b.float() ** 2).sum()
+    torch._dynamo.reset()
+    compiled = torch.compile(chunked, backend="fusion", fullgraph=True)
+    got = compiled(x, d)
+    gx, gd = torch.autograd.grad(loss(*got), (x, d))
+    want = chunked(x, d)
+    wx, wd = torch.autograd.grad(loss(*want), (x, d))
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype)
+    assert_close(gx, wx, dtype)
+    atol, rtol = TOL[dtype]
+    assert_close(gd, wd, dtype, atol=atol * 100, rtol=rtol * 10)    # sums over 32 x 2
+    # the forward's kernel is tiled; the backward's sum over (b, l) is a row kernel
+    assert sources(cache_dir).count(TILED) == 1
