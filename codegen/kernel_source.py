@@ -112,7 +112,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
                 parts.append("rmask")
             if COLS in parts_syms:
                 parts.append("cmask")
-        elif XINDEX in parts_syms:     # (a tiled kernel's tiles need no mask)
+        elif XINDEX in parts_syms:     # (a tiled kernel has none: its tiles divide its dims)
             parts.append("xmask")
         cond = condition(pred_set)
         if cond is False:
