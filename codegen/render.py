@@ -23,14 +23,15 @@ from .statements import element_registers, late_loads, strided_kind
 
 
 def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
-             max_resident_row: int = 0) -> str:
+             max_resident_row: int = 0, tiles: bool = True) -> str:
     """Full source of the module for one fused group. A row longer than
     ``max_persistent_block`` (as a power of two) is held in registers by the resident kernel
     where it is static and at most ``max_resident_row`` long, else streamed by the looped
-    kernel; few such rows are split across programs (the split stages)."""
+    kernel; few such rows are split across programs (the split stages). ``tiles``: pointwise
+    kernels may take 2-d tiles (codegen/tiles.py)."""
     parts = multipart_parts(ir)
     if parts is not None:
-        return _generate_multipart(ir, parts, hints, title)
+        return _generate_multipart(ir, parts, hints, title, tiles)
     kind, shape = iteration_space(ir)
     kernels = []
     late = []               # a persistent kernel's loads after its reduction (HOIST)
@@ -38,7 +39,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     partials = 0            # a looped kernel's reductions: the split stages' partials a row
     reuse = None            # a persistent kernel's outputs over dead inputs (launcher.py)
     looped_block = rules.LOOPED_RBLOCK      # a looped kernel's step (launch.row_limits)
-    tiling = {}             # a tiled pointwise kernel's cap on BLOCK (codegen/tiles.py)
+    tiling = {} if tiles else None      # a tiled pointwise kernel's cap on BLOCK (tiles.py)
     if kind == "pointwise":
         kernels.append(("pointwise", render_kernel(Lowering(ir, hints, True).run(),
                                                    "_pointwise_kernel", tiling=tiling)))
@@ -88,7 +89,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, bool(late), strided,
-                                partials, reuse, looped_block, tiling.get("cap"))
+                                partials, reuse, looped_block, (tiling or {}).get("cap"))
     if strided:
         launcher = f"STRIDED = {strided}\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
@@ -111,11 +112,11 @@ def multipart_parts(ir: KernelIR):
     return parts
 
 
-def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str) -> str:
+def _generate_multipart(ir: KernelIR, parts, hints: dict, title: str, tiles: bool) -> str:
     sources, calls, runtime = [], [], set()
     shapes, caps = [], []
     for i, (sub, inputs, positions) in enumerate(parts):
-        tiling = {}
+        tiling = {} if tiles else None
         src, size_args = render_kernel(Lowering(sub, hints, True).run(), f"_part{i}", part=True,
                                        tiling=tiling)
         caps += [tiling["cap"]] if tiling else []

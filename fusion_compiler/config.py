@@ -79,6 +79,10 @@ class Config:
     # the pool in the kernel computing its input, two bytes an output kept for the backward.
     # 0: ATen's max_pool2d_with_indices and its backward.
     max_pool: bool = True
+    # A pointwise kernel with an access along another dim than its innermost (a transposed
+    # output) takes 2-d tiles, so that each load and store walks contiguous memory
+    # (codegen/tiles.py). 0: 1-d blocks, the transposed accesses one element a sector.
+    tiles: bool = True
     # Keep aot_autograd's result (the ATen forward and backward graphs, or the inference
     # graph, and its runtime wrappers) on disk in torch's AOTAutograd cache, so that a second
     # process compiling the same model skips aot_autograd's trace and partition

@@ -49,11 +49,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         # everything the source depends on besides the IR goes into the key
         key = g.ir.key(*ctx.cache.salt(), title, str(ctx.config.max_persistent_block),
                        str(ctx.config.max_resident_row), str(rules.RESIDENT_RBLOCK),
-                       str(rules.RESIDENT_VALUES))
+                       str(rules.RESIDENT_VALUES), str(ctx.config.tiles))
         try:
             module = ctx.cache.load(key, lambda: generate(g.ir, hints, title,
                                                           ctx.config.max_persistent_block,
-                                                          ctx.config.max_resident_row))
+                                                          ctx.config.max_resident_row,
+                                                          ctx.config.tiles))
         except NotFusable as exc:       # this group stays on ATen; the others still fuse
             if ctx.config.strict:
                 raise

@@ -75,6 +75,24 @@ def test_without_the_plan_the_same_kernel_is_one_dimensional(cache_dir, device, 
     check(silu_both_ways, (x, b), torch.float32, cache_dir, tiled=False)
 
 
+def test_the_option_turns_tiles_off(cache_dir, device, monkeypatch):
+    """``FUSION_COMPILER_TILES=0``: 1-d kernels, a multi-part kernel's parts too; it is part of
+    the kernel's cache key, so the tiled kernel cached first is not reused."""
+    def two(a, b, s):
+        return (a * s).transpose(1, 2).contiguous(), torch.sigmoid(b + s)
+    a = torch.randn(4, 32, 64, dtype=torch.bfloat16, device=device)
+    b = torch.randn(7, 64, dtype=torch.bfloat16, device=device)
+    s = torch.randn(64, dtype=torch.bfloat16, device=device)
+    check(two, (a, b, s), torch.bfloat16, cache_dir, tiled=True)
+    monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
+    out, reports = compile_and_run(two, (a, b, s))
+    for o, e in zip(out, two(a, b, s)):
+        assert_close(o, e, torch.bfloat16)
+    (kernel,) = [k for r in reports for k in r.kernels]
+    text = open(kernel["path"]).read()
+    assert "_multipart_kernel" in text and TILED not in text and "BLOCK = min" not in text
+
+
 def test_the_launcher_caps_the_block_at_the_tiles(cache_dir, device):
     """A transposed dim of 16 and an innermost one of 64: tiles of at most 16 x 64, so the
     launcher holds BLOCK (2048 by the pointwise rule) to 1024."""
