@@ -16,6 +16,8 @@
 #   models     `bench` on $MODELS, with $BENCH_ARGS (e.g. "--rounds 15"; time limit $MODELS_LIMIT s,
 #              240)
 #   zoo        `bench` on $ZOO (benchmarks/hf_zoo.py's architectures; about 70 s each)
+#   tiles      `bench $TILES_TARGET --mode training` (Mamba2 8 x 1024 at 4 x 1024) with pointwise
+#              tiles and with FUSION_COMPILER_TILES=0, each in its own cache (about 60 s each)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   memory     benchmarks/peak_memory.py on each of $MEMORY_TARGETS: static peaks and measured
 #              max_memory_allocated for eager, fusion and Inductor (about 60 s each)
@@ -46,6 +48,7 @@ COMPILE_TARGETS=${COMPILE_TARGETS:-"examples/llama.py:bench_1x128"}
 PROFILE_TARGET=${PROFILE_TARGET:-"examples/bert.py:bench_16x256"}
 Z=benchmarks/hf_zoo.py
 MEMORY_TARGETS=${MEMORY_TARGETS:-"$Z:convnext_tiny_32 $Z:t5_base_16x256 $Z:bloom_8x512"}
+TILES_TARGET=${TILES_TARGET:-"$Z:mamba2_4x1024"}
 ZOO=${ZOO:-"$Z:qwen3_4x1024 $Z:bart_base_16x256 $Z:gemma2_4x512 $Z:convnext_tiny_32 $Z:swin_tiny_32"}
 
 step() {    # step NAME SECONDS COMMAND: the command's output into the log, with its rc and time
@@ -82,6 +85,10 @@ for s in $STEPS; do
         --compare eager,inductor,fusion -o $OUT/zoo.json 2>&1 | $quiet" ;;
     memory) for t in $MEMORY_TARGETS; do
             step memory 120 "python3 benchmarks/peak_memory.py $t 2>&1 | $quiet"; done ;;
+    tiles) for v in 1 0; do     # $TILES_TARGET's step with 2-d tiles (1) and without (0)
+            step "tiles=$v" 200 "FUSION_COMPILER_TILES=$v FUSION_COMPILER_CACHE_DIR=/tmp/fc-tiles$v \
+                fusion-compiler bench $TILES_TARGET --mode training --compare fusion --rounds 3 \
+                -o $OUT/tiles$v.json 2>&1 | $quiet"; done ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \
         | $quiet" ;;
     compile|profile)
