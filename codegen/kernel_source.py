@@ -288,23 +288,18 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
         for stmt in lk.tail:
             lines += stmt_lines(stmt)
-    elif tile is not None:
-        lines += ([] if part else ["pid = tl.program_id(0)"]) + [
-                  "if INDEX64:",
-                  "    pid = pid.to(tl.int64)"]
-        lines += tiles.index_lines(tile, new_syms, new_sizes)
-        for stmt in loads_first(lk.phases[0].outer + lk.phases[0].body):
-            lines += stmt_lines(stmt)
     else:
         lines += ([] if part else ["pid = tl.program_id(0)"]) + [
                   "if INDEX64:",
-                  "    pid = pid.to(tl.int64)",
-                  "xindex = pid * BLOCK + tl.arange(0, BLOCK)"]
-        if part:
-            lines += ["xmask = xindex < numel"]
+                  "    pid = pid.to(tl.int64)"]
+        if tile is not None:
+            lines += tiles.index_lines(tile)
+        elif part:
+            lines += ["xindex = pid * BLOCK + tl.arange(0, BLOCK)", "xmask = xindex < numel"]
         else:
             # a constant mask: Triton drops it from the loads and stores (no predicates)
-            lines += ["if EVEN:  # numel is a multiple of BLOCK",
+            lines += ["xindex = pid * BLOCK + tl.arange(0, BLOCK)",
+                      "if EVEN:  # numel is a multiple of BLOCK",
                       "    xmask = tl.full([BLOCK], True, tl.int1)",
                       "else:",
                       "    xmask = xindex < numel"]

@@ -89,7 +89,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, bool(late), strided,
-                                partials, reuse, looped_block, (tiling or {}).get("cap"))
+                                partials, reuse, looped_block, tiling and tiling.get("cap"))
     if strided:
         launcher = f"STRIDED = {strided}\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"

@@ -30,8 +30,10 @@ MIN_SHARE = 8       # the transposed accesses' share of the kernel's bytes, at l
 
 @dataclass(frozen=True)
 class Tile:
-    """A tiled pointwise kernel: ``x`` (the innermost iteration dim) walked ``xt`` a tile,
-    ``y`` walked ``BLOCK // xt`` (at most ``cap // xt``); ``names``: each dim's variable."""
+    """A tiled pointwise kernel over ``dims`` ((sym, size), outermost first): ``x`` (the
+    innermost) walked ``xt`` a tile, ``y`` walked ``BLOCK // xt`` (at most ``cap // xt``);
+    ``names``: each dim's variable."""
+    dims: tuple
     x: sympy.Symbol
     y: sympy.Symbol
     xt: int
@@ -78,18 +80,18 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     if yt < MIN_RUN or across[y] * MIN_SHARE < total:
         return None
     names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
-    return Tile(x, y, xt, yt * xt, names)
+    return Tile(tuple(size.items()), x, y, xt, yt * xt, names)
 
 
-def index_lines(tile: Tile, syms: list, sizes: list) -> list:
+def index_lines(tile: Tile) -> list:
     """Lines giving each dim's variable from ``pid``: X's and Y's blocks of the tile, the other
     dims' scalars, taken innermost first."""
     yb = f"(BLOCK // {tile.xt})"
     lines = [f"xo = tl.arange(0, {tile.xt})[None, :]",
              f"yo = tl.arange(0, {yb})[:, None]",
              "t = pid"]
-    for k in reversed(range(len(syms))):
-        s, n = syms[k], int(sizes[k])
+    for k in reversed(range(len(tile.dims))):
+        s, n = tile.dims[k]
         name = tile.names[s].name
         if s == tile.x:
             count, block, offs = str(n // tile.xt), str(tile.xt), "xo"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_compiler.codegen import tiles
 from helpers import TOL, assert_close, compile_and_run, kernel_count
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -68,29 +67,29 @@ def test_dims_that_tiles_cannot_divide_stay_one_dimensional(cache_dir, device, s
     check(silu_both_ways, (x, b), torch.bfloat16, cache_dir, tiled=False)
 
 
-def test_without_the_plan_the_same_kernel_is_one_dimensional(cache_dir, device, monkeypatch):
-    monkeypatch.setattr(tiles, "plan", lambda *a, **k: None)
-    x = torch.randn(3, 64, 48, dtype=torch.float32, device=device)
-    b = torch.randn(48, dtype=torch.float32, device=device)
-    check(silu_both_ways, (x, b), torch.float32, cache_dir, tiled=False)
+def two_shapes(a, b, s):
+    """Siblings of different shapes sharing ``s``: a multi-part kernel (codegen/multipart.py)."""
+    return (a * s).transpose(1, 2).contiguous(), torch.sigmoid(b + s)
 
 
-def test_the_option_turns_tiles_off(cache_dir, device, monkeypatch):
+@pytest.mark.parametrize("multipart", [False, True], ids=["one part", "multi-part"])
+def test_the_option_turns_tiles_off(cache_dir, device, monkeypatch, multipart):
     """``FUSION_COMPILER_TILES=0``: 1-d kernels, a multi-part kernel's parts too; it is part of
     the kernel's cache key, so the tiled kernel cached first is not reused."""
-    def two(a, b, s):
-        return (a * s).transpose(1, 2).contiguous(), torch.sigmoid(b + s)
-    a = torch.randn(4, 32, 64, dtype=torch.bfloat16, device=device)
-    b = torch.randn(7, 64, dtype=torch.bfloat16, device=device)
-    s = torch.randn(64, dtype=torch.bfloat16, device=device)
-    check(two, (a, b, s), torch.bfloat16, cache_dir, tiled=True)
+    if multipart:
+        fn, args = two_shapes, [torch.randn(4, 32, 64), torch.randn(7, 64), torch.randn(64)]
+    else:
+        fn, args = silu_both_ways, [torch.randn(3, 64, 48), torch.randn(48)]
+    args = [a.to(device=device, dtype=torch.bfloat16) for a in args]
+    check(fn, args, torch.bfloat16, cache_dir, tiled=True)
     monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
-    out, reports = compile_and_run(two, (a, b, s))
-    for o, e in zip(out, two(a, b, s)):
+    out, reports = compile_and_run(fn, args)
+    for o, e in zip(out, fn(*args)):
         assert_close(o, e, torch.bfloat16)
     (kernel,) = [k for r in reports for k in r.kernels]
     text = open(kernel["path"]).read()
-    assert "_multipart_kernel" in text and TILED not in text and "BLOCK = min" not in text
+    assert TILED not in text and "BLOCK = min" not in text
+    assert ("_multipart_kernel" in text) == multipart
 
 
 def test_the_launcher_caps_the_block_at_the_tiles(cache_dir, device):
@@ -103,14 +102,11 @@ def test_the_launcher_caps_the_block_at_the_tiles(cache_dir, device):
 
 
 def test_a_tiled_part_of_a_multipart_kernel(cache_dir, device):
-    """Sibling computations of different shapes that share an input make a multi-part kernel
-    (codegen/multipart.py); the tiled part's cap holds the shared BLOCK."""
-    def two(a, b, s):
-        return (a * s).transpose(1, 2).contiguous(), torch.sigmoid(b + s)
+    """The tiled part's cap holds the multi-part kernel's shared BLOCK."""
     a = torch.randn(4, 32, 64, dtype=torch.bfloat16, device=device)
     b = torch.randn(7, 64, dtype=torch.bfloat16, device=device)
     s = torch.randn(64, dtype=torch.bfloat16, device=device)
-    text = check(two, (a, b, s), torch.bfloat16, cache_dir, tiled=True)
+    text = check(two_shapes, (a, b, s), torch.bfloat16, cache_dir, tiled=True)
     assert "_multipart_kernel" in text
     assert "BLOCK = min(BLOCK, 2048)" in text
 
