@@ -59,7 +59,8 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     ``stage``: a looped kernel's phase ``stage`` alone, over one chunk of the row
     (``row_loops.split_phases``). ``tiling``: where given, a pointwise kernel may take 2-d
     tiles (codegen/tiles.py), and ``tiling["cap"]`` is then the most elements its launcher
-    may give a program."""
+    may give a program; a persistent row kernel may take tiles of rows, and
+    ``tiling["rows"]`` is then (least, most) rows its launcher may give a program."""
     row = lk.kind == "row"
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
@@ -79,11 +80,27 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     if tile is not None:
         tiling["cap"] = tile.cap
         vec = {tile.names[tile.x], tile.names[tile.y]}
+    rtile = (tiles.row_plan(lk, new_syms, new_sizes, subs)
+             if tiling is not None and row and name == "_persistent_kernel" and stage is None
+             else None)
+    rows = {RINDEX}         # the symbols of a row kernel's row index
+    if rtile is not None:
+        tiling["rows"] = (rtile.lo, rtile.cap)
+        rows = {rtile.names[s] for s, _ in rtile.dims} | set(rtile.swapped.values())
+        vec = rows | {COLS}
+    names = tile.names if tile is not None else rtile.names if rtile is not None else None
 
     def idx(e):
-        if tile is not None:
-            return sympy.sympify(e).xreplace(subs).xreplace(tile.names)
+        if names is not None:
+            return sympy.sympify(e).xreplace(subs).xreplace(names)
         return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
+
+    def swapped(off):
+        """A tiled row kernel's access ``off`` in the Y-inner order, or None (tiles.RowTile)."""
+        if rtile is None or not rtile.is_swapped(off):
+            return None
+        back = {v: s for s, v in rtile.names.items()}
+        return off.xreplace(back).xreplace(rtile.swapped)
 
     # a looped kernel's rows that do not start on 16 bytes: (elements in 16 bytes, the row's
     # first element), its loop then steps from the row's 16 bytes (row_loops.column_loop)
@@ -108,7 +125,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         if row:
             # a split stage's row always exists (R x S programs): its scalar rmask stays out
             # of the columns' masks (Triton 3.9's interpreter makes scalar & block integers)
-            if RINDEX in parts_syms and not (scalar_row and COLS in parts_syms):
+            if parts_syms & rows and not (scalar_row and COLS in parts_syms):
                 parts.append("rmask")
             if COLS in parts_syms:
                 parts.append("cmask")
@@ -166,6 +183,11 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             # a chunk inside every row has a constant mask, which Triton drops
             return [f"{var.name} = tl.load({row_address(f'in{in_id}', off)}{pad}, "
                     f"mask={m}{other}){conv}"]
+        turned = swapped(off) if not pred_set else None
+        if turned is not None:
+            # read along Y (its runs of XBLOCK // XT), then reordered to the rows' X-inner order
+            return [f"{var.name} = fl.swap_rows(tl.load(in{in_id} + {print_expr(turned)}, "
+                    f"mask={m}{other}), {rtile.xt}, XBLOCK // {rtile.xt}, XBLOCK, RBLOCK){conv}"]
         if shift and COLS in used:
             # no mask inside the row: 16-byte loads from the row's 16 bytes
             addr = f"in{in_id} + (rowa + vcols)"
@@ -186,7 +208,8 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     def store(stmt, evict=None):
         _, pos, var, offset, row_level = stmt
         off = idx(offset)
-        want = ({RINDEX, COLS} if row_level else {RINDEX}) if row else vec
+        rowvar = rtile.names[rtile.x] if rtile is not None else RINDEX
+        want = ({rowvar, COLS} if row_level else {rowvar}) if row else vec
         pad = "".join(f" + 0 * {s.name}" for s in sorted(want - off.free_symbols, key=str))
         mask = mask_of(want, ())
         if scalar_row and not row_level:
@@ -203,6 +226,11 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             return [f"fl.store_rows(out{pos} + {print_expr(off)}{pad}, {value}, {mask}, XBLOCK)"]
         if resident and COLS in off.free_symbols:
             return [f"tl.store({row_address(f'out{pos}', off)}{pad}, {value}, mask={mask})"]
+        turned = swapped(off) if row_level else None
+        if turned is not None:
+            # reordered to the Y-inner order, then written along Y
+            value = f"fl.swap_rows({value}, XBLOCK // {rtile.xt}, {rtile.xt}, XBLOCK, RBLOCK)"
+            return [f"tl.store(out{pos} + {print_expr(turned)}, {value}, mask={mask})"]
         if shift and COLS in off.free_symbols:
             addr = f"out{pos} + (rowa + vcols)"
             return ["if inner:", f"    tl.store({addr}, {value}{hint})", "else:",
@@ -278,13 +306,16 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         for stmt in lk.tail:
             lines += stmt_lines(stmt)
     elif row:
-        rows = sympy.Mul(*lk.shape[:-1])
+        count = sympy.Mul(*lk.shape[:-1])
         # strided rows are loaded in vectors across the rows: a static row count as a literal
         # lets Triton prove the row mask constant over a vector (R itself is not specialized:
         # every access was one 2-byte load, a column sum 4x slower than eager on the H200)
-        bound = py_expr(rows) if strided and rows.is_Integer else "R"
-        lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
-                  f"rmask = rindex < {bound}"]
+        bound = py_expr(count) if strided and count.is_Integer else "R"
+        if rtile is not None:
+            lines += tiles.row_index_lines(rtile)
+        else:
+            lines += ["rindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
+                      f"rmask = rindex < {bound}"]
         lines += _row_phases(lk, stmt_lines, name == "_persistent_kernel", late)
         for stmt in lk.tail:
             lines += stmt_lines(stmt)

@@ -189,7 +189,7 @@ def _max_offset(shape, stride):
 def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_block,
                     hoists: bool = False, strided: int = 0, partials: int = 0,
                     reuse=None, looped_block: int = rules.LOOPED_RBLOCK,
-                    block_cap: int | None = None) -> str:
+                    block_cap: int | None = None, row_bounds: tuple | None = None) -> str:
     """Source of ``launch(DEVICE, in0, ..., sizes)``, the function a graph calls for the group:
     ``kind`` "pointwise", "row" or "multipart" over ``shape`` (a list of shapes for multipart);
     ``kernels`` maps each kernel's name to its runtime size arguments; ``hoists``: the
@@ -201,7 +201,8 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     dead inputs (``row_inplace_outputs``; a pointwise kernel's are ``inplace_outputs``);
     ``looped_block``: the looped kernel's and split stages' step (``launch.row_limits``);
     ``block_cap``: the most elements a program of a tiled pointwise kernel (or part) takes, so
-    that its tiles divide their dims (codegen/tiles.py)."""
+    that its tiles divide their dims (codegen/tiles.py); ``row_bounds``: (least, most) rows a
+    program of a tiled persistent row kernel takes (tiles.RowTile)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -345,8 +346,11 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
         else:
             step = "" if looped_block == rules.LOOPED_RBLOCK else f", looped_block={looped_block}"
             lines += [f"        XBLOCK, RBLOCK, looped, num_warps = row_settings(R, N, "
-                      f"{max_persistent_block}" + (", STRIDED" if strided else "") + step + ")",
-                      "        grid = (R + XBLOCK - 1) // XBLOCK"]
+                      f"{max_persistent_block}" + (", STRIDED" if strided else "") + step + ")"]
+            if row_bounds:
+                lines.append(f"        XBLOCK = min(max(XBLOCK, {row_bounds[0]}), {row_bounds[1]})"
+                             "  # tiles of rows")
+            lines.append("        grid = (R + XBLOCK - 1) // XBLOCK")
         settings = ["XBLOCK", "RBLOCK", "num_warps"]
         constexprs = ["XBLOCK", "RBLOCK", "index64"]
 

@@ -63,8 +63,10 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
         if held is not None:
             late = late_loads(held)
             strided = strided_kind(held)
-            kernels.append(("persistent", render_kernel(held, "_persistent_kernel", late=late,
-                                                         strided=strided)))
+            # tiles of rows only where no looped kernel shares the launcher's settings
+            kernels.append(("persistent", render_kernel(
+                held, "_persistent_kernel", late=late, strided=strided,
+                tiling=tiling if looped is None else None)))
             # each row read once, before it is written (the launcher hands over no input
             # where it picks the looped kernel beside it, for a long row)
             reuse = row_inplace_outputs(held)
@@ -89,7 +91,8 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     body = "\n\n".join(src for _, (src, _) in kernels)
     launcher = render_launcher(ir, kind, shape, {name: args for name, (_, args) in kernels},
                                 max_persistent_block, bool(late), strided,
-                                partials, reuse, looped_block, tiling and tiling.get("cap"))
+                                partials, reuse, looped_block, tiling and tiling.get("cap"),
+                                tiling and tiling.get("rows"))
     if strided:
         launcher = f"STRIDED = {strided}\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"

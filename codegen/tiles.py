@@ -110,3 +110,132 @@ def index_lines(tile: Tile) -> list:
             lines.append(f"t = t // {count}")
     lines.append(f"xmask = tl.full([{yb}, {tile.xt}], True, tl.int1)  # tiles divide their dims")
     return lines
+
+
+# Row kernels. A persistent row kernel takes XBLOCK consecutive rows a program: an access whose
+# stride-1 dim is its innermost row dim (X) reads runs of XBLOCK along the rows, one along the
+# row (the columns) runs of the row; an access whose stride-1 dim is another row dim (Y) reads
+# one element per sector. Mamba2's backward (transformers 5.17, 8 x 1024 at batch 4, H100):
+# the segment-sum cumsum over [b, c, h, l, l] rows reads a [b, c, l, l, h] operand (h
+# contiguous, 268 MB of its 806) and ran 740 us for 270 us of bytes; a SwiGLU-gradient row
+# kernel over [b, c, l, h] rows stores three outputs with l contiguous, 525 us.
+# A tiled row kernel takes ``XT`` values of X by ``XBLOCK // XT`` of Y a program. Accesses along
+# Y are written in the other order (Y inner) and their values reordered through
+# triton_lib.swap_rows, so each access walks its own stride-1 dim in runs of its tile side.
+ROW_SECTOR = 32         # bytes: the run a tile side should give each access
+ROW_MIN_YT = 4          # Y values a tile at least
+ROW_MIN_XT = 8          # X values a tile at least, where accesses run along X
+ROW_ELEMS_MAX = 8192    # elements a program at most (launch.STRIDED_ELEMS)
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """A tiled persistent row kernel over row ``dims`` ((sym, size), outermost first): ``x``
+    (the innermost) walked ``xt`` a program, ``y`` walked ``XBLOCK // xt``, XBLOCK in
+    [``lo``, ``cap``]; ``names``: each dim's variable in the X-inner order, ``swapped`` in the
+    Y-inner order (the other dims' the same)."""
+    dims: tuple
+    x: sympy.Symbol
+    y: sympy.Symbol
+    xt: int
+    lo: int
+    cap: int
+    names: dict
+    swapped: dict
+
+    def is_swapped(self, off) -> bool:
+        """Whether the access at ``off`` (in ``names``) walks Y contiguously along the row and
+        across X: it is written in the Y-inner order."""
+        if self.xt == 1:        # one X value a program: the X-inner order walks Y already
+            return False
+        nx, ny = self.names[self.x], self.names[self.y]
+        co = affine_coeffs(off, {nx, ny, _COLS})
+        return (co is not None and co.get(ny, 0) == 1 and co.get(nx, 0) != 0
+                and co.get(_COLS, 0) != 0)
+
+
+_COLS = sympy.Symbol("cols", integer=True, nonnegative=True)   # kernel_source.COLS
+
+
+def row_plan(lk, syms: list, sizes: list, subs: dict):
+    """The tiling of the persistent row kernel ``lk`` over its coalesced row dims ``syms`` of
+    ``sizes`` (``subs``: the dims coalescing dropped, as 0, and the column as ``cols``), or
+    None: static sizes, accesses along a row dim Y other than the innermost one (X) at least
+    1 / ``MIN_SHARE`` of the bytes, a power of two of at least ``ROW_MIN_YT`` dividing Y, and a
+    tile of ``ROW_MIN_YT`` rows of Y that fits ``ROW_ELEMS_MAX`` elements."""
+    n = lk.shape[-1]
+    if len(syms) < 2 or not all(sympy.sympify(s).is_Integer for s in list(sizes) + [n]):
+        return None
+    size = {s: int(k) for s, k in zip(syms, sizes)}
+    size[_COLS] = int(n)
+    x = syms[-1]
+    accesses = [(lk.ir.inputs[in_id].dtype.itemsize, off, bool(ps))
+                for _, in_id, off, ps in lk.loads]
+    accesses += [(lk.ir.values[lk.ir.outputs[st[1]]].dtype.itemsize, st[3], False)
+                 for st in all_stores(lk)]
+    total, across, along_x = 0, {}, []
+    for itemsize, off, guarded in accesses:
+        co = affine_coeffs(sympy.sympify(off).xreplace(subs), set(syms) | {_COLS})
+        if co is None:
+            continue
+        nbytes = itemsize
+        for s in size:
+            if co.get(s, 0) != 0:
+                nbytes *= size[s]
+        total += nbytes
+        unit = [s for s in syms if co.get(s, 0) == 1]
+        if not unit:
+            continue
+        if unit[0] == x:
+            along_x.append(itemsize)
+        elif co.get(x, 0) != 0 and co.get(_COLS, 0) != 0 and not guarded:
+            across[unit[0]] = across.get(unit[0], 0) + nbytes
+    if not across:
+        return None
+    y = max(across, key=across.get)
+    if across[y] * MIN_SHARE < total:
+        return None
+    xt = min(_pow2_divisor(size[x]), ROW_SECTOR // min(along_x)) if along_x else 1
+    yt = _pow2_divisor(size[y])
+    rblock = 1 << (size[_COLS] - 1).bit_length()
+    while xt > ROW_MIN_XT and xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
+        xt //= 2            # a long row: shorter runs along X (half a sector of bf16 at 8)
+    lo = xt * ROW_MIN_YT
+    if yt < ROW_MIN_YT or lo * rblock > ROW_ELEMS_MAX:
+        return None
+    cap = xt * min(yt, max(ROW_MIN_YT, ROW_ELEMS_MAX // (rblock * xt)))
+    names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
+    swapped = dict(names)
+    for s in (x, y):
+        swapped[s] = sympy.Symbol(f"j{syms.index(s)}", integer=True, nonnegative=True)
+    return RowTile(tuple((s, size[s]) for s in syms), x, y, xt, lo, cap, names, swapped)
+
+
+def row_index_lines(tile: RowTile) -> list:
+    """Lines giving each row dim's variable from ``pid``, in both orders (X inner: ``i``;
+    Y inner: ``j``), the rows' mask (true: tiles divide their dims)."""
+    yb = f"(XBLOCK // {tile.xt})"
+    lines = ["r = tl.arange(0, XBLOCK)[:, None]", "t = pid"]
+    for k in reversed(range(len(tile.dims))):
+        s, n = tile.dims[k]
+        name = tile.names[s].name
+        if s == tile.x:
+            count, block = str(n // tile.xt), str(tile.xt)
+        elif s == tile.y:
+            count, block = f"({n} // {yb})", yb
+        else:
+            count, block = str(n), None
+        at = "t" if k == 0 else f"(t % {count})"
+        base = at if block is None else ("0" if count == "1" else f"{at} * {block}")
+        if block is None:
+            lines.append(f"{name} = {base}")
+        else:
+            inner, outer = f"(r % {tile.xt})", f"(r // {tile.xt})"
+            inner_j, outer_j = f"(r // {yb})", f"(r % {yb})"
+            mine, other = (inner, inner_j) if s == tile.x else (outer, outer_j)
+            lines.append(f"{name} = {base} + {mine}")
+            lines.append(f"{tile.swapped[s].name} = {base} + {other}")
+        if k and count != "1":
+            lines.append(f"t = t // {count}")
+    lines.append("rmask = tl.full([XBLOCK, 1], True, tl.int1)  # tiles divide their dims")
+    return lines

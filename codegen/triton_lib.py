@@ -160,6 +160,15 @@ else:
 
 
 @triton.jit
+def swap_rows(x, A: tl.constexpr, B: tl.constexpr, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    """``x`` as a [XBLOCK, RBLOCK] block whose rows are ordered ``a * B + b``, reordered to
+    ``b * A + a`` (XBLOCK = A * B): a tiled row kernel's values between its two orders of the
+    rows (codegen/tiles.py); a layout conversion through shared memory on the GPU."""
+    x = tl.broadcast_to(x, [XBLOCK, RBLOCK])
+    return tl.reshape(tl.permute(tl.reshape(x, [A, B, RBLOCK]), (1, 0, 2)), [XBLOCK, RBLOCK])
+
+
+@triton.jit
 def store_rows(ptr, value, mask, XBLOCK: tl.constexpr):
     """Store a row kernel's per-row ``value`` ([XBLOCK, 1], [1] or a scalar) at ``ptr`` under
     ``mask`` (both [XBLOCK, 1]) as a block of XBLOCK. Stored as a [XBLOCK, 1] block, two

@@ -131,3 +131,91 @@ def test_training_through_tiled_kernels(cache_dir, device, dtype):
     assert_close(gd, wd, dtype, atol=atol * 100, rtol=rtol * 10)    # sums over 32 x 2
     # the forward's kernel is tiled; the backward's sum over (b, l) is a row kernel
     assert sources(cache_dir).count(TILED) == 1
+
+
+# Row kernels (tiles.RowTile): a persistent row kernel whose rows are read or written along
+# another row dim than its innermost one takes tiles of rows of both dims
+ROWS_TILED = "r = tl.arange(0, XBLOCK)"
+SWAPPED = "fl.swap_rows("
+
+
+def segment_sums(x):
+    """Mamba2's segment sum in small: x [b, l2, l, h] (h contiguous) summed along l2 over rows
+    [b, h, l]; stored as [b, h, l, l2] and, exponentiated, as [b, h, l2, l] (l contiguous)."""
+    y = torch.cumsum(x.permute(0, 3, 2, 1), dim=-1)
+    return y.contiguous(), torch.exp(y).transpose(-1, -2).contiguous()
+
+
+def norm_stored_along_rows(x, w):
+    """An RMSNorm over p of rows [b, l, h], stored as computed and as [b, h, p, l]."""
+    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+    return y.permute(0, 2, 3, 1).contiguous(), y
+
+
+def row_check(fn, args, dtype, cache_dir, tiled: bool, swapped: bool | None = None):
+    out, reports = compile_and_run(fn, args)
+    assert kernel_count(reports) == 1
+    for o, e in zip(out, fn(*args)):
+        assert o.shape == e.shape and o.stride() == e.stride()
+        assert_close(o, e, dtype)
+    text = sources(cache_dir)
+    assert (ROWS_TILED in text) == tiled
+    if swapped is not None:
+        assert (SWAPPED in text) == swapped
+    return text
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 32, 64, 16), (3, 40, 24, 8), (1, 256, 16, 32)])
+def test_a_row_kernel_read_along_another_row_dim_takes_tiles(cache_dir, device, dtype, shape):
+    """Rows [b, h, l] of l2, read with h contiguous and written with l2 and with l
+    contiguous: tiles of l by h, the read in the h-inner order and reordered (a row of 40:
+    masked columns). Inputs scaled so that the exp of a sum of 256 stays in fp16's range."""
+    x = torch.randn(shape, dtype=dtype, device=device) * 0.25
+    text = row_check(segment_sums, (x,), dtype, cache_dir, tiled=True, swapped=True)
+    assert "XBLOCK = min(max(XBLOCK, " in text
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_stored_along_a_row_dim_alone(cache_dir, device, dtype):
+    """No access runs along the innermost row dim (h): a program takes rows of l alone, one
+    h, so the rows' order walks l already and nothing is reordered."""
+    x = torch.randn(2, 64, 8, 48, dtype=dtype, device=device)
+    w = torch.randn(48, dtype=dtype, device=device)
+    row_check(norm_stored_along_rows, (x, w), dtype, cache_dir, tiled=True, swapped=False)
+
+
+@pytest.mark.parametrize("shape", [(2, 32, 64, 6), (2, 32, 12, 3)])
+def test_row_dims_tiles_cannot_divide_keep_consecutive_rows(cache_dir, device, shape):
+    """h of 6 or 3 (no power of two of at least 4 divides it): XBLOCK consecutive rows."""
+    x = torch.randn(shape, dtype=torch.float32, device=device)
+    row_check(segment_sums, (x,), torch.float32, cache_dir, tiled=False)
+
+
+def test_the_option_turns_row_tiles_off(cache_dir, device, monkeypatch):
+    monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
+    x = torch.randn(2, 32, 64, 16, dtype=torch.bfloat16, device=device)
+    text = row_check(segment_sums, (x,), torch.bfloat16, cache_dir, tiled=False)
+    assert "XBLOCK = min(max(" not in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_through_tiled_row_kernels(cache_dir, device, dtype):
+    """Gradients through a tiled forward. The backward's reversed cumsum reads and writes
+    along its rows and along l, its innermost row dim: its rows stay consecutive."""
+    x = (torch.randn(2, 32, 64, 16, dtype=dtype, device=device) * 0.25).requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(segment_sums, backend="fusion", fullgraph=True)
+    got = compiled(x)
+    weights = [torch.randn_like(g) for g in got]
+
+    def loss(outs):
+        return sum((o.float() * w.float()).sum() for o, w in zip(outs, weights))
+    (gx,) = torch.autograd.grad(loss(got), (x,))
+    want = segment_sums(x)
+    (wx,) = torch.autograd.grad(loss(want), (x,))
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype)
+    atol, rtol = TOL[dtype]
+    assert_close(gx, wx, dtype, atol=atol * 10, rtol=rtol * 4)     # reversed sums of 32
+    assert sources(cache_dir).count(ROWS_TILED) == 1
