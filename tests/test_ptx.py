@@ -336,3 +336,29 @@ def test_a_transposed_store_is_written_in_vectors_from_tiles(cache_dir, tmp_path
         assert "ld.global.v4" in ptx and "bar.sync" in ptx
     else:
         assert any(".v4." not in s for s in stores), stores
+
+
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiles", "consecutive rows"])
+def test_a_row_kernel_read_along_another_row_dim_loads_vectors_from_tiles(
+        cache_dir, tmp_path, device, monkeypatch, tiled):
+    """A cumsum over l2 of rows [b, h, l] of an fp32 [b, l2, l, h] tensor (h contiguous),
+    stored along its rows and along l: with tiles of rows (codegen/tiles.py) the read walks h in
+    16-byte vectors, its values reordered through shared memory; with consecutive rows
+    (``FUSION_COMPILER_TILES=0``) each element of the read is a 4-byte load of its own."""
+    if not tiled:
+        monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
+
+    def fn(x):
+        y = torch.cumsum(x.permute(0, 3, 2, 1), dim=-1)
+        return y.contiguous(), torch.exp(y).transpose(-1, -2).contiguous()
+    specs = launches(fn, (torch.randn(2, 32, 64, 16, device=device),), monkeypatch)
+    text = Path(specs[0]["path"]).read_text()
+    assert ("fl.swap_rows(tl.load(" in text) == tiled
+    ptx = ptx_of(specs, tmp_path)
+    loads = re.findall(r"ld\.global[.\w]*", ptx)
+    stores = re.findall(r"st\.global[.\w]*", ptx)
+    assert stores and all(".v4." in s for s in stores), stores
+    if tiled:
+        assert loads and all(".v4." in s for s in loads), loads
+    else:
+        assert any(".v4." not in s for s in loads), loads
