@@ -88,11 +88,11 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         tiling["rows"] = (rtile.lo, rtile.cap)
         rows = {rtile.names[s] for s, _ in rtile.dims} | set(rtile.swapped.values())
         vec = rows | {COLS}
-    names = tile.names if tile is not None else rtile.names if rtile is not None else None
+    tiled = tile if tile is not None else rtile
 
     def idx(e):
-        if names is not None:
-            return sympy.sympify(e).xreplace(subs).xreplace(names)
+        if tiled is not None:
+            return tiled.apply(sympy.sympify(e).xreplace(subs))
         return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
 
     def swapped(off):

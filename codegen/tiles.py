@@ -20,29 +20,99 @@ from dataclasses import dataclass
 
 import sympy
 
+from torch.utils._sympy.functions import FloorDiv, Mod, ModularIndexing, PythonMod
+
 from .indexing import affine_coeffs
 from .statements import all_stores
 
 XT_MAX = 64         # X values a tile: 256 bytes of fp32, 128 of bf16 contiguous a row
 MIN_RUN = 16        # contiguous elements a tile must give each access along X and along Y
 MIN_SHARE = 8       # the transposed accesses' share of the kernel's bytes, at least 1 / this
+_COLS = sympy.Symbol("cols", integer=True, nonnegative=True)   # kernel_source.COLS
 
 
 @dataclass(frozen=True)
 class Tile:
     """A tiled pointwise kernel over ``dims`` ((sym, size), outermost first): ``x`` (the
     innermost) walked ``xt`` a tile, ``y`` walked ``BLOCK // xt`` (at most ``cap // xt``);
-    ``names``: each dim's variable."""
+    ``names``: each dim's variable; ``splits``: the kernel's dims split in two."""
     dims: tuple
     x: sympy.Symbol
     y: sympy.Symbol
     xt: int
     cap: int
     names: dict
+    splits: "Splits"
+
+    def apply(self, e):
+        """The kernel's expression ``e`` in the tile's variables."""
+        return self.splits.apply(e).xreplace(self.names)
 
 
 def _pow2_divisor(n: int) -> int:
     return n & -n
+
+
+def _digits(atom):
+    """(x, lo, hi) where ``atom`` is x's digits between lo and hi ((x // lo) % (hi // lo); hi
+    None: no upper bound), else None."""
+    if isinstance(atom, FloorDiv) and atom.args[1].is_Integer:
+        return atom.args[0], int(atom.args[1]), None
+    if isinstance(atom, ModularIndexing) and atom.args[1].is_Integer and atom.args[2].is_Integer:
+        return atom.args[0], int(atom.args[1]), int(atom.args[1]) * int(atom.args[2])
+    if isinstance(atom, (Mod, PythonMod, sympy.Mod)) and atom.args[1].is_Integer:
+        return atom.args[0], 1, int(atom.args[1])
+    return None
+
+
+class Splits:
+    """Dims an access reads in two digits (a view of [b, 1024, d] as [b, 4, 256, d] reads
+    ``(L // 256, L % 256)``), each split into two dims (``hi``, ``lo``): every address is then
+    affine in the new dims, and a tile may take either. ``dims``: {dim: (k, hi, lo)}, the dim
+    equal to ``k * hi + lo``; one digit boundary a dim (a dim read at several is kept)."""
+
+    def __init__(self, syms: list, size: dict, exprs: list):
+        bounds = {}
+        for e in exprs:
+            for atom in sympy.sympify(e).atoms(FloorDiv, ModularIndexing, Mod, PythonMod,
+                                               sympy.Mod):
+                d = _digits(atom)
+                if d is None or d[0] not in size:
+                    continue
+                x, lo, hi = d
+                bounds.setdefault(x, set()).update(
+                    b for b in (lo, hi) if b is not None and 1 < b < size[x])
+        self.dims = {}
+        for x, ks in bounds.items():
+            if len(ks) == 1 and size[x] % next(iter(ks)) == 0:
+                self.dims[x] = (next(iter(ks)),
+                                sympy.Symbol(f"{x.name}_hi", integer=True, nonnegative=True),
+                                sympy.Symbol(f"{x.name}_lo", integer=True, nonnegative=True))
+        self.syms = [t for x in syms for t in (self.dims[x][1:] if x in self.dims else (x,))]
+        self.size = {}
+        for x in syms:
+            if x in self.dims:
+                k, hi, lo = self.dims[x]
+                self.size[hi], self.size[lo] = size[x] // k, k
+            else:
+                self.size[x] = size[x]
+
+    def apply(self, e):
+        """``e`` in the split dims (exact: each split dim is ``k * hi + lo``, 0 <= lo < k)."""
+        e = sympy.sympify(e)
+        if not self.dims or not e.free_symbols & set(self.dims):
+            return e
+
+        def digit(atom):
+            x, lo_b, hi_b = _digits(atom)
+            k, hi, lo = self.dims[x]
+            if (lo_b, hi_b) == (1, k):                  # x % k
+                return lo
+            if lo_b == k and (hi_b is None or hi_b >= k * self.size[hi]):   # x // k
+                return hi
+            return atom.xreplace({x: k * hi + lo})      # any other digits: as they were
+        e = e.replace(lambda a: _digits(a) is not None and _digits(a)[0] in self.dims, digit)
+        return e.xreplace({x: k * hi + lo for x, (k, hi, lo) in self.dims.items()})
 
 
 def plan(lk, syms: list, sizes: list, subs: dict):
@@ -50,19 +120,18 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     ``sizes`` (``subs``: the dims coalescing dropped, as 0), or None: static sizes, an
     innermost dim and a transposed one each at least ``MIN_RUN`` in powers of two, and
     accesses along the transposed dim at least 1 / ``MIN_SHARE`` of the bytes."""
-    if len(syms) < 2 or not all(sympy.sympify(n).is_Integer for n in sizes):
+    if not all(sympy.sympify(n).is_Integer for n in sizes):
         return None
-    size = {s: int(n) for s, n in zip(syms, sizes)}
+    splits, accesses = _accesses(lk, syms, sizes, subs)
+    syms, size = splits.syms, splits.size
+    if len(syms) < 2:
+        return None
     x = syms[-1]
     xt = min(XT_MAX, _pow2_divisor(size[x]))
     if xt < MIN_RUN:
         return None
-    accesses = [(lk.ir.inputs[in_id].dtype.itemsize, off) for _, in_id, off, _ in lk.loads]
-    accesses += [(lk.ir.values[lk.ir.outputs[st[1]]].dtype.itemsize, st[3])
-                 for st in all_stores(lk)]
     total, across = 0, {}
-    for itemsize, off in accesses:
-        co = affine_coeffs(sympy.sympify(off).xreplace(subs), set(syms))
+    for itemsize, co, _ in accesses:
         if co is None:
             continue
         nbytes = itemsize
@@ -80,7 +149,22 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     if yt < MIN_RUN or across[y] * MIN_SHARE < total:
         return None
     names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
-    return Tile(tuple(size.items()), x, y, xt, yt * xt, names)
+    return Tile(tuple((s, size[s]) for s in syms), x, y, xt, yt * xt, names, splits)
+
+
+def _accesses(lk, syms: list, sizes: list, subs: dict):
+    """(Splits of the dims ``syms`` of ``sizes``, [(itemsize, {dim: coefficient} or None where
+    not affine, whether predicated)] of each load and store of ``lk`` in the split dims; the
+    column ``cols`` among a row kernel's coefficients)."""
+    accesses = [(lk.ir.inputs[in_id].dtype.itemsize, off, bool(ps))
+                for _, in_id, off, ps in lk.loads]
+    accesses += [(lk.ir.values[lk.ir.outputs[st[1]]].dtype.itemsize, st[3], False)
+                 for st in all_stores(lk)]
+    offs = [sympy.sympify(off).xreplace(subs) for _, off, _ in accesses]
+    splits = Splits(list(syms), {s: int(n) for s, n in zip(syms, sizes)}, offs)
+    dims = set(splits.syms) | {_COLS}
+    return splits, [(itemsize, affine_coeffs(splits.apply(off), dims), guarded)
+                    for (itemsize, _, guarded), off in zip(accesses, offs)]
 
 
 def index_lines(tile: Tile) -> list:
@@ -142,6 +226,11 @@ class RowTile:
     cap: int
     names: dict
     swapped: dict
+    splits: Splits
+
+    def apply(self, e):
+        """The kernel's expression ``e`` in the tile's X-inner variables."""
+        return self.splits.apply(e).xreplace(self.names)
 
     def is_swapped(self, off) -> bool:
         """Whether the access at ``off`` (in ``names``) walks Y contiguously along the row and
@@ -154,9 +243,6 @@ class RowTile:
                 and co.get(_COLS, 0) != 0)
 
 
-_COLS = sympy.Symbol("cols", integer=True, nonnegative=True)   # kernel_source.COLS
-
-
 def row_plan(lk, syms: list, sizes: list, subs: dict):
     """The tiling of the persistent row kernel ``lk`` over its coalesced row dims ``syms`` of
     ``sizes`` (``subs``: the dims coalescing dropped, as 0, and the column as ``cols``), or
@@ -164,18 +250,16 @@ def row_plan(lk, syms: list, sizes: list, subs: dict):
     1 / ``MIN_SHARE`` of the bytes, a power of two of at least ``ROW_MIN_YT`` dividing Y, and a
     tile of ``ROW_MIN_YT`` rows of Y that fits ``ROW_ELEMS_MAX`` elements."""
     n = lk.shape[-1]
-    if len(syms) < 2 or not all(sympy.sympify(s).is_Integer for s in list(sizes) + [n]):
+    if not all(sympy.sympify(s).is_Integer for s in list(sizes) + [n]):
         return None
-    size = {s: int(k) for s, k in zip(syms, sizes)}
+    splits, accesses = _accesses(lk, syms, sizes, subs)
+    syms, size = splits.syms, dict(splits.size)
+    if len(syms) < 2:
+        return None
     size[_COLS] = int(n)
     x = syms[-1]
-    accesses = [(lk.ir.inputs[in_id].dtype.itemsize, off, bool(ps))
-                for _, in_id, off, ps in lk.loads]
-    accesses += [(lk.ir.values[lk.ir.outputs[st[1]]].dtype.itemsize, st[3], False)
-                 for st in all_stores(lk)]
     total, across, along_x = 0, {}, []
-    for itemsize, off, guarded in accesses:
-        co = affine_coeffs(sympy.sympify(off).xreplace(subs), set(syms) | {_COLS})
+    for itemsize, co, guarded in accesses:
         if co is None:
             continue
         nbytes = itemsize
@@ -208,7 +292,8 @@ def row_plan(lk, syms: list, sizes: list, subs: dict):
     swapped = dict(names)
     for s in (x, y):
         swapped[s] = sympy.Symbol(f"j{syms.index(s)}", integer=True, nonnegative=True)
-    return RowTile(tuple((s, size[s]) for s in syms), x, y, xt, lo, cap, names, swapped)
+    return RowTile(tuple((s, size[s]) for s in syms), x, y, xt, lo, cap, names, swapped,
+                   splits)
 
 
 def row_index_lines(tile: RowTile) -> list:

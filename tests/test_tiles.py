@@ -67,6 +67,23 @@ def test_dims_that_tiles_cannot_divide_stay_one_dimensional(cache_dir, device, s
     check(silu_both_ways, (x, b), torch.bfloat16, cache_dir, tiled=False)
 
 
+def chunks_read_back(x, y):
+    """x [b, L, d] times y [b, c, d, l] read as [b, c * l, d]: y's index is (L // l, d,
+    L % l), so L is split into two dims (tiles.Splits) and the tile takes l by d."""
+    b, c, d, l = y.shape
+    return x * y.permute(0, 1, 3, 2).reshape(b, c * l, d) + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", [((2, 64, 48), (2, 4, 48, 16)), ((3, 96, 32), (3, 3, 32, 32))])
+def test_a_dim_read_in_two_digits_is_split_for_the_tile(cache_dir, device, dtype, shapes):
+    x = torch.randn(shapes[0], dtype=dtype, device=device)
+    y = torch.randn(shapes[1], dtype=dtype, device=device)
+    text = check(chunks_read_back, (x, y), dtype, cache_dir, tiled=True)
+    accesses = [ln for ln in text.splitlines() if "tl.load(" in ln or "tl.store(" in ln]
+    assert accesses and not any("//" in ln or "%" in ln for ln in accesses)    # affine
+
+
 def two_shapes(a, b, s):
     """Siblings of different shapes sharing ``s``: a multi-part kernel (codegen/multipart.py)."""
     return (a * s).transpose(1, 2).contiguous(), torch.sigmoid(b + s)
