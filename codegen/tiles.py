@@ -131,17 +131,10 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     if xt < MIN_RUN:
         return None
     total, across = 0, {}
-    for itemsize, co, _ in accesses:
-        if co is None:
-            continue
-        nbytes = itemsize
-        for s in syms:
-            if co.get(s, 0) != 0:
-                nbytes *= size[s]
+    for _, co, _, nbytes, unit in accesses:
         total += nbytes
-        unit = [s for s in syms if co.get(s, 0) == 1]
-        if unit and unit[0] != x and co.get(x, 0) != 0:
-            across[unit[0]] = across.get(unit[0], 0) + nbytes
+        if unit is not None and unit != x and co.get(x, 0) != 0:
+            across[unit] = across.get(unit, 0) + nbytes
     if not across:
         return None
     y = max(across, key=across.get)
@@ -152,19 +145,30 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     return Tile(tuple((s, size[s]) for s in syms), x, y, xt, yt * xt, names, splits)
 
 
-def _accesses(lk, syms: list, sizes: list, subs: dict):
-    """(Splits of the dims ``syms`` of ``sizes``, [(itemsize, {dim: coefficient} or None where
-    not affine, whether predicated)] of each load and store of ``lk`` in the split dims; the
-    column ``cols`` among a row kernel's coefficients)."""
+def _accesses(lk, syms: list, sizes: list, subs: dict, cols: int = 1):
+    """(Splits of the dims ``syms`` of ``sizes``, [(itemsize, {dim: coefficient}, whether
+    predicated, bytes, the dim of coefficient 1 or None)] of each load and store of ``lk``
+    affine in the split dims; a row kernel's column ``cols`` among the coefficients, its
+    ``cols`` columns among the bytes)."""
     accesses = [(lk.ir.inputs[in_id].dtype.itemsize, off, bool(ps))
                 for _, in_id, off, ps in lk.loads]
     accesses += [(lk.ir.values[lk.ir.outputs[st[1]]].dtype.itemsize, st[3], False)
                  for st in all_stores(lk)]
     offs = [sympy.sympify(off).xreplace(subs) for _, off, _ in accesses]
     splits = Splits(list(syms), {s: int(n) for s, n in zip(syms, sizes)}, offs)
-    dims = set(splits.syms) | {_COLS}
-    return splits, [(itemsize, affine_coeffs(splits.apply(off), dims), guarded)
-                    for (itemsize, _, guarded), off in zip(accesses, offs)]
+    size = {**splits.size, _COLS: cols}
+    out = []
+    for (itemsize, _, guarded), off in zip(accesses, offs):
+        co = affine_coeffs(splits.apply(off), set(size))
+        if co is None:
+            continue
+        nbytes = itemsize
+        for s, n in size.items():
+            if co.get(s, 0) != 0:
+                nbytes *= n
+        unit = next((s for s in splits.syms if co.get(s, 0) == 1), None)
+        out.append((itemsize, co, guarded, nbytes, unit))
+    return splits, out
 
 
 def index_lines(tile: Tile) -> list:
@@ -252,28 +256,18 @@ def row_plan(lk, syms: list, sizes: list, subs: dict):
     n = lk.shape[-1]
     if not all(sympy.sympify(s).is_Integer for s in list(sizes) + [n]):
         return None
-    splits, accesses = _accesses(lk, syms, sizes, subs)
-    syms, size = splits.syms, dict(splits.size)
+    splits, accesses = _accesses(lk, syms, sizes, subs, int(n))
+    syms, size = splits.syms, {**splits.size, _COLS: int(n)}
     if len(syms) < 2:
         return None
-    size[_COLS] = int(n)
     x = syms[-1]
     total, across, along_x = 0, {}, []
-    for itemsize, co, guarded in accesses:
-        if co is None:
-            continue
-        nbytes = itemsize
-        for s in size:
-            if co.get(s, 0) != 0:
-                nbytes *= size[s]
+    for itemsize, co, guarded, nbytes, unit in accesses:
         total += nbytes
-        unit = [s for s in syms if co.get(s, 0) == 1]
-        if not unit:
-            continue
-        if unit[0] == x:
+        if unit == x:
             along_x.append(itemsize)
-        elif co.get(x, 0) != 0 and co.get(_COLS, 0) != 0 and not guarded:
-            across[unit[0]] = across.get(unit[0], 0) + nbytes
+        elif unit is not None and co.get(x, 0) != 0 and co.get(_COLS, 0) != 0 and not guarded:
+            across[unit] = across.get(unit, 0) + nbytes
     if not across:
         return None
     y = max(across, key=across.get)
