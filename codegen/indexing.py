@@ -36,6 +36,18 @@ def linearize(index, shape):
     return join_digits(sympy.expand(lin))
 
 
+def digits(atom):
+    """(x, lo, hi) where ``atom`` is x's digits between lo and hi ((x // lo) % (hi // lo); hi
+    None: no upper bound), else None."""
+    if isinstance(atom, FloorDiv) and atom.args[1].is_Integer:
+        return atom.args[0], int(atom.args[1]), None
+    if isinstance(atom, ModularIndexing) and atom.args[1].is_Integer and atom.args[2].is_Integer:
+        return atom.args[0], int(atom.args[1]), int(atom.args[1]) * int(atom.args[2])
+    if isinstance(atom, (Mod, PythonMod, sympy.Mod)) and atom.args[1].is_Integer:
+        return atom.args[0], 1, int(atom.args[1])
+    return None
+
+
 def join_digits(lin):
     """``lin`` with each set of terms ``c * b * ((x // b) % m)`` (and ``c * b * (x // b)``)
     that covers adjacent ranges of x's digits merged: ``35 * (x // 35) + 7 * ((x // 7) % 5) +
@@ -43,15 +55,11 @@ def join_digits(lin):
     groups, rest = {}, []
     for term in sympy.Add.make_args(lin):
         coeff, atom = term.as_coeff_Mul()
-        if isinstance(atom, FloorDiv) and atom.args[1].is_Integer:
-            x, lo, hi = atom.args[0], int(atom.args[1]), None
-        elif isinstance(atom, ModularIndexing) and atom.args[1].is_Integer \
-                and atom.args[2].is_Integer:
-            x, lo = atom.args[0], int(atom.args[1])
-            hi = lo * int(atom.args[2])
-        else:
+        d = digits(atom) if isinstance(atom, (FloorDiv, ModularIndexing)) else None
+        if d is None:
             rest.append(term)
             continue
+        x, lo, hi = d
         if not coeff.is_Integer or int(coeff) % lo:
             rest.append(term)
             continue

@@ -86,7 +86,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     rows = {RINDEX}         # the symbols of a row kernel's row index
     if rtile is not None:
         tiling["rows"] = (rtile.lo, rtile.cap)
-        rows = {rtile.names[s] for s, _ in rtile.dims} | set(rtile.swapped.values())
+        rows = set(rtile.names.values()) | set(rtile.swapped.values())
         vec = rows | {COLS}
     tiled = tile if tile is not None else rtile
 
@@ -94,13 +94,6 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
         if tiled is not None:
             return tiled.apply(sympy.sympify(e).xreplace(subs))
         return flatten_index(sympy.sympify(e).xreplace(subs), new_syms, new_sizes, lin)
-
-    def swapped(off):
-        """A tiled row kernel's access ``off`` in the Y-inner order, or None (tiles.RowTile)."""
-        if rtile is None or not rtile.is_swapped(off):
-            return None
-        back = {v: s for s, v in rtile.names.items()}
-        return off.xreplace(back).xreplace(rtile.swapped)
 
     # a looped kernel's rows that do not start on 16 bytes: (elements in 16 bytes, the row's
     # first element), its loop then steps from the row's 16 bytes (row_loops.column_loop)
@@ -183,7 +176,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             # a chunk inside every row has a constant mask, which Triton drops
             return [f"{var.name} = tl.load({row_address(f'in{in_id}', off)}{pad}, "
                     f"mask={m}{other}){conv}"]
-        turned = swapped(off) if not pred_set else None
+        turned = rtile.turned(off) if rtile is not None and not pred_set else None
         if turned is not None:
             # read along Y (its runs of XBLOCK // XT), then reordered to the rows' X-inner order
             return [f"{var.name} = fl.swap_rows(tl.load(in{in_id} + {print_expr(turned)}, "
@@ -226,7 +219,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             return [f"fl.store_rows(out{pos} + {print_expr(off)}{pad}, {value}, {mask}, XBLOCK)"]
         if resident and COLS in off.free_symbols:
             return [f"tl.store({row_address(f'out{pos}', off)}{pad}, {value}, mask={mask})"]
-        turned = swapped(off) if row_level else None
+        turned = rtile.turned(off) if rtile is not None and row_level else None
         if turned is not None:
             # reordered to the Y-inner order, then written along Y
             value = f"fl.swap_rows({value}, XBLOCK // {rtile.xt}, {rtile.xt}, XBLOCK, RBLOCK)"

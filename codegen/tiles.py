@@ -22,7 +22,7 @@ import sympy
 
 from torch.utils._sympy.functions import FloorDiv, Mod, ModularIndexing, PythonMod
 
-from .indexing import affine_coeffs
+from .indexing import affine_coeffs, digits
 from .statements import all_stores
 
 XT_MAX = 64         # X values a tile: 256 bytes of fp32, 128 of bf16 contiguous a row
@@ -53,18 +53,6 @@ def _pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def _digits(atom):
-    """(x, lo, hi) where ``atom`` is x's digits between lo and hi ((x // lo) % (hi // lo); hi
-    None: no upper bound), else None."""
-    if isinstance(atom, FloorDiv) and atom.args[1].is_Integer:
-        return atom.args[0], int(atom.args[1]), None
-    if isinstance(atom, ModularIndexing) and atom.args[1].is_Integer and atom.args[2].is_Integer:
-        return atom.args[0], int(atom.args[1]), int(atom.args[1]) * int(atom.args[2])
-    if isinstance(atom, (Mod, PythonMod, sympy.Mod)) and atom.args[1].is_Integer:
-        return atom.args[0], 1, int(atom.args[1])
-    return None
-
-
 class Splits:
     """Dims an access reads in two digits (a view of [b, 1024, d] as [b, 4, 256, d] reads
     ``(L // 256, L % 256)``), each split into two dims (``hi``, ``lo``): every address is then
@@ -76,7 +64,7 @@ class Splits:
         for e in exprs:
             for atom in sympy.sympify(e).atoms(FloorDiv, ModularIndexing, Mod, PythonMod,
                                                sympy.Mod):
-                d = _digits(atom)
+                d = digits(atom)
                 if d is None or d[0] not in size:
                     continue
                 x, lo, hi = d
@@ -104,14 +92,14 @@ class Splits:
             return e
 
         def digit(atom):
-            x, lo_b, hi_b = _digits(atom)
+            x, lo_b, hi_b = digits(atom)
             k, hi, lo = self.dims[x]
             if (lo_b, hi_b) == (1, k):                  # x % k
                 return lo
             if lo_b == k and (hi_b is None or hi_b >= k * self.size[hi]):   # x // k
                 return hi
             return atom.xreplace({x: k * hi + lo})      # any other digits: as they were
-        e = e.replace(lambda a: _digits(a) is not None and _digits(a)[0] in self.dims, digit)
+        e = e.replace(lambda a: (digits(a) or (None,))[0] in self.dims, digit)
         return e.xreplace({x: k * hi + lo for x, (k, hi, lo) in self.dims.items()})
 
 
@@ -175,28 +163,30 @@ def index_lines(tile: Tile) -> list:
     """Lines giving each dim's variable from ``pid``: X's and Y's blocks of the tile, the other
     dims' scalars, taken innermost first."""
     yb = f"(BLOCK // {tile.xt})"
-    lines = [f"xo = tl.arange(0, {tile.xt})[None, :]",
-             f"yo = tl.arange(0, {yb})[:, None]",
-             "t = pid"]
-    for k in reversed(range(len(tile.dims))):
-        s, n = tile.dims[k]
-        name = tile.names[s].name
-        if s == tile.x:
-            count, block, offs = str(n // tile.xt), str(tile.xt), "xo"
-        elif s == tile.y:
-            count, block, offs = f"({n} // {yb})", yb, "yo"
-        else:
-            count, block, offs = str(n), None, None
+    n = dict(tile.dims)
+    blocks = {tile.x: (str(n[tile.x] // tile.xt), str(tile.xt), [(tile.names[tile.x], "xo")]),
+              tile.y: (f"({n[tile.y]} // {yb})", yb, [(tile.names[tile.y], "yo")])}
+    return ([f"xo = tl.arange(0, {tile.xt})[None, :]", f"yo = tl.arange(0, {yb})[:, None]"]
+            + _pid_lines(tile.dims, tile.names, blocks)
+            + [f"xmask = tl.full([{yb}, {tile.xt}], True, tl.int1)  # tiles divide their dims"])
+
+
+def _pid_lines(dims, names: dict, blocks: dict) -> list:
+    """Lines taking each dim's variable from ``pid``, innermost first: a dim in ``blocks``
+    ({dim: (count, block, [(variable, offsets)])}) its block's start plus each offsets, any
+    other dim one value a program."""
+    lines = ["t = pid"]
+    for k in reversed(range(len(dims))):
+        s, n = dims[k]
+        count, block, parts = blocks.get(s, (str(n), None, None))
         at = "t" if k == 0 else f"(t % {count})"
         if block is None:
-            lines.append(f"{name} = {at}")
-        elif count == "1":
-            lines.append(f"{name} = {offs}")
+            lines.append(f"{names[s].name} = {at}")
         else:
-            lines.append(f"{name} = {at} * {block} + {offs}")
+            start = "" if count == "1" else f"{at} * {block} + "
+            lines += [f"{var.name} = {start}{offs}" for var, offs in parts]
         if k and count != "1":
             lines.append(f"t = t // {count}")
-    lines.append(f"xmask = tl.full([{yb}, {tile.xt}], True, tl.int1)  # tiles divide their dims")
     return lines
 
 
@@ -236,15 +226,16 @@ class RowTile:
         """The kernel's expression ``e`` in the tile's X-inner variables."""
         return self.splits.apply(e).xreplace(self.names)
 
-    def is_swapped(self, off) -> bool:
-        """Whether the access at ``off`` (in ``names``) walks Y contiguously along the row and
-        across X: it is written in the Y-inner order."""
+    def turned(self, off):
+        """The access at ``off`` (in ``names``) in the Y-inner order where it walks Y
+        contiguously along the row and across X, else None."""
         if self.xt == 1:        # one X value a program: the X-inner order walks Y already
-            return False
+            return None
         nx, ny = self.names[self.x], self.names[self.y]
         co = affine_coeffs(off, {nx, ny, _COLS})
-        return (co is not None and co.get(ny, 0) == 1 and co.get(nx, 0) != 0
-                and co.get(_COLS, 0) != 0)
+        if co is None or co.get(ny, 0) != 1 or co.get(nx, 0) == 0 or co.get(_COLS, 0) == 0:
+            return None
+        return off.xreplace({self.names[s]: v for s, v in self.swapped.items()})
 
 
 def row_plan(lk, syms: list, sizes: list, subs: dict):
@@ -294,27 +285,10 @@ def row_index_lines(tile: RowTile) -> list:
     """Lines giving each row dim's variable from ``pid``, in both orders (X inner: ``i``;
     Y inner: ``j``), the rows' mask (true: tiles divide their dims)."""
     yb = f"(XBLOCK // {tile.xt})"
-    lines = ["r = tl.arange(0, XBLOCK)[:, None]", "t = pid"]
-    for k in reversed(range(len(tile.dims))):
-        s, n = tile.dims[k]
-        name = tile.names[s].name
-        if s == tile.x:
-            count, block = str(n // tile.xt), str(tile.xt)
-        elif s == tile.y:
-            count, block = f"({n} // {yb})", yb
-        else:
-            count, block = str(n), None
-        at = "t" if k == 0 else f"(t % {count})"
-        base = at if block is None else ("0" if count == "1" else f"{at} * {block}")
-        if block is None:
-            lines.append(f"{name} = {base}")
-        else:
-            inner, outer = f"(r % {tile.xt})", f"(r // {tile.xt})"
-            inner_j, outer_j = f"(r // {yb})", f"(r % {yb})"
-            mine, other = (inner, inner_j) if s == tile.x else (outer, outer_j)
-            lines.append(f"{name} = {base} + {mine}")
-            lines.append(f"{tile.swapped[s].name} = {base} + {other}")
-        if k and count != "1":
-            lines.append(f"t = t // {count}")
-    lines.append("rmask = tl.full([XBLOCK, 1], True, tl.int1)  # tiles divide their dims")
-    return lines
+    n = dict(tile.dims)
+    x, y, i, j = tile.x, tile.y, tile.names, tile.swapped
+    blocks = {x: (str(n[x] // tile.xt), str(tile.xt),
+                  [(i[x], f"(r % {tile.xt})"), (j[x], f"(r // {yb})")]),
+              y: (f"({n[y]} // {yb})", yb, [(i[y], f"(r // {tile.xt})"), (j[y], f"(r % {yb})")])}
+    return (["r = tl.arange(0, XBLOCK)[:, None]"] + _pid_lines(tile.dims, i, blocks)
+            + ["rmask = tl.full([XBLOCK, 1], True, tl.int1)  # tiles divide their dims"])
