@@ -89,6 +89,22 @@ def segment_sum(a):
     return s.masked_fill(~keep, -torch.inf)
 
 
+def scan_device(*args) -> torch.device:
+    """Where eager's reference for a function with scans runs: the CPU where ``args`` hold
+    fp16/bf16 CUDA tensors. CUDA's low-precision cumsum accumulates in its own dtype
+    (pytorch/pytorch#180150, "expected behavior"); the CPU's in fp32, as the fused kernels do.
+    A bf16 cumsum of 32 values on CUDA drifts by several units in the last place."""
+    low = any(a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) for a in args)
+    return torch.device("cpu") if low else args[0].device
+
+
+def scan_reference(fn, *args):
+    """Eager's outputs of ``fn`` (a tuple), computed on ``scan_device(*args)``."""
+    where = scan_device(*args)
+    out = as_tuple(fn(*(a.detach().to(where) for a in args)))
+    return tuple(o.to(args[0].device) for o in out)
+
+
 def kernel_count(reports, kind=None):
     return sum(r.num_kernels for r in reports if kind is None or r.kind == kind)
 
