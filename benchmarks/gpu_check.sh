@@ -18,6 +18,8 @@
 #   zoo        `bench` on $ZOO (benchmarks/hf_zoo.py's architectures; about 70 s each)
 #   tiles      `bench $TILES_TARGET --mode training` (Mamba2 8 x 1024 at 4 x 1024) with pointwise
 #              tiles and with FUSION_COMPILER_TILES=0, each in its own cache (about 60 s each)
+#   ab         `bench $AB_TARGETS` (with $AB_ARGS) at this tree and at $AB_TAR (a `git archive REV`
+#              of an earlier commit, in the tree), each in its own cache
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   memory     benchmarks/peak_memory.py on each of $MEMORY_TARGETS: static peaks and measured
 #              max_memory_allocated for eager, fusion and Inductor (about 60 s each)
@@ -49,6 +51,8 @@ PROFILE_TARGET=${PROFILE_TARGET:-"examples/bert.py:bench_16x256"}
 Z=benchmarks/hf_zoo.py
 MEMORY_TARGETS=${MEMORY_TARGETS:-"$Z:convnext_tiny_32 $Z:t5_base_16x256 $Z:bloom_8x512"}
 TILES_TARGET=${TILES_TARGET:-"$Z:mamba2_4x1024"}
+AB_TARGETS=${AB_TARGETS:-$TILES_TARGET}
+AB_ARGS=${AB_ARGS:-"--mode training --compare fusion --rounds 3"}
 ZOO=${ZOO:-"$Z:qwen3_4x1024 $Z:bart_base_16x256 $Z:gemma2_4x512 $Z:convnext_tiny_32 $Z:swin_tiny_32"}
 
 step() {    # step NAME SECONDS COMMAND: the command's output into the log, with its rc and time
@@ -60,7 +64,7 @@ step() {    # step NAME SECONDS COMMAND: the command's output into the log, with
 }
 quiet="grep --line-buffered -v -e Warning -e 'warn(' -e 'warner('"
 
-python3 -m pip install --no-deps --no-build-isolation --no-index -q -e . >> "$LOG" 2>&1
+[ -n "$NO_INSTALL" ] || python3 -m pip install --no-deps --no-build-isolation --no-index -q -e . >> "$LOG" 2>&1
 { git log --oneline -1; git status --short;
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; } >> "$LOG" 2>&1
 for s in $STEPS; do
@@ -89,6 +93,21 @@ for s in $STEPS; do
             step "tiles=$v" 200 "FUSION_COMPILER_TILES=$v FUSION_COMPILER_CACHE_DIR=/tmp/fc-tiles$v \
                 fusion-compiler bench $TILES_TARGET --mode training --compare fusion --rounds 3 \
                 -o $OUT/tiles$v.json 2>&1 | $quiet"; done ;;
+    ab) # the earlier commit's package in /tmp/ab-old, with codegen/ and passes/ linked inside
+        # it: the editable install maps fusion_compiler.codegen and .passes to this tree's
+        # folders, and would serve them to the earlier fusion_compiler (sessions 66-67's
+        # comparisons so ran this tree's code twice)
+        rm -rf /tmp/ab-old && mkdir -p /tmp/ab-old && tar -xf "$AB_TAR" -C /tmp/ab-old
+        ln -s ../codegen /tmp/ab-old/fusion_compiler/codegen
+        ln -s ../passes /tmp/ab-old/fusion_compiler/passes
+        here=$PWD
+        step "ab old" 300 "cd /tmp/ab-old && PYTHONPATH=/tmp/ab-old python3 -c \"import \
+            fusion_compiler.codegen as c, fusion_compiler.passes as p; \
+            assert c.__file__.startswith('/tmp/ab-old') and p.__file__.startswith('/tmp/ab-old')\" \
+            && PYTHONPATH=/tmp/ab-old FUSION_COMPILER_CACHE_DIR=/tmp/fc-ab-old fusion-compiler \
+            bench $AB_TARGETS $AB_ARGS -o $OUT/ab_old.json 2>&1 | $quiet"
+        step "ab new" 300 "cd $here && FUSION_COMPILER_CACHE_DIR=/tmp/fc-ab-new fusion-compiler \
+            bench $AB_TARGETS $AB_ARGS -o $OUT/ab_new.json 2>&1 | $quiet" ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \
         | $quiet" ;;
     compile|profile)
