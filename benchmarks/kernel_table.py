@@ -10,15 +10,36 @@ wall time (host) beside the sum of kernel times (GPU busy). ``bench --breakdown`
 profile into categories; this shows the kernels themselves (which attention kernel SDPA picked,
 which GEMMs, which fused kernels). ``--groups``: fusion's kernels by group instead (its
 ``profile_ranges`` option: each launch in a range ``fc#<id> <label>``, the ids `dump` shows),
-the slowest first, since the generated kernels share a few names (``_persistent_kernel``).
+the slowest first, since the generated kernels share a few names (``_persistent_kernel``),
+each with the bytes its kernel moves (its source's header) and the % of the floor those bytes
+take at the copy bandwidth measured in the same run: what is left to win, group by group.
 """
 import argparse
 import collections
+import re
 import time
 
 import torch
 
+import fusion_compiler
+
 from fusion_compiler.targets import load_factory
+
+
+BYTES = re.compile(r"^# bytes moved: (\d+) read \+ (\d+) written$", re.M)
+
+
+def group_bytes(reports) -> dict:
+    """``fc#<id>`` -> the bytes the group's kernel moves (read + written, its source's header),
+    for each compiled group whose sizes are static."""
+    found = {}
+    for r in reports:
+        for k in r.kernels:
+            with open(k["path"]) as f:
+                m = BYTES.search(f.read())
+            if m:
+                found[f"fc#{k['group']}"] = int(m.group(1)) + int(m.group(2))
+    return found
 
 
 def table(target: str, backend: str, top: int, mode: str = "inference",
@@ -29,7 +50,7 @@ def table(target: str, backend: str, top: int, mode: str = "inference",
 
     from torch.profiler import ProfilerActivity, profile
 
-    from fusion_compiler.bench import _training_step
+    from fusion_compiler.bench import _copy_bandwidth, _training_step
 
     torch._dynamo.reset()
     model, inputs = load_factory(target)[0](device="cuda", dtype=torch.bfloat16)
@@ -38,8 +59,9 @@ def table(target: str, backend: str, top: int, mode: str = "inference",
     if mode == "training":
         f = _training_step(f, model)
     with torch.no_grad() if mode == "inference" else contextlib.nullcontext():
-        for _ in range(5):
-            f(*inputs)
+        with fusion_compiler.capture_compiles() as reports:
+            for _ in range(5):
+                f(*inputs)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
@@ -73,10 +95,15 @@ def table(target: str, backend: str, top: int, mode: str = "inference",
                 else:
                     by_group[e.name][1] += 1
         ranges = sorted(((us, n, name) for name, (us, n) in by_group.items()), reverse=True)
+        moved = group_bytes(reports)
+        bw = _copy_bandwidth()
         print(f"  by fused group ({len(ranges)} groups, {sum(r[0] for r in ranges):.0f} us; "
-              f"`fusion-compiler dump` names them):")
+              f"`fusion-compiler dump` names them; floor at {bw / 1e12:.2f} TB/s):")
         for us, n, name in ranges[:top]:
-            print(f"  {us:8.1f} us {n:4d}x  {name}")
+            nbytes = moved.get(name.split(" ")[0])
+            floor = "" if nbytes is None or not us else \
+                f"  {nbytes * n / 1e6:8.1f} MB  {100 * nbytes * n / bw / (us * 1e-6):5.1f}% of floor"
+            print(f"  {us:8.1f} us {n:4d}x{floor}  {name}")
 
 
 def main():

@@ -48,3 +48,21 @@ def test_each_launch_in_a_range_named_after_its_group(dtype, device):
 def test_the_environment_turns_it_on():
     assert Config.from_env({}).profile_ranges is False
     assert Config.from_env({"FUSION_COMPILER_PROFILE_RANGES": "1"}).profile_ranges is True
+
+
+def test_kernel_table_reads_each_groups_bytes(device):
+    """benchmarks/kernel_table.py's bytes per group (``group_bytes``), keyed as the profiler's
+    ranges are: each kernel's bytes read and written, from its source's header."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "benchmarks" / "kernel_table.py"
+    spec = importlib.util.spec_from_file_location("kernel_table", path)
+    kt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kt)
+    x = torch.randn(7, 33, device=device)
+    w = torch.randn(33, device=device)
+    _, _, reports, ranges = _run({"profile_ranges": True}, x, w)
+    moved = kt.group_bytes(reports)
+    assert sorted(moved) == sorted(r.split(" ")[0] for r in ranges)
+    # x + 1 and the RMSNorm: x and w read, h written; the softmax: its row of 7 read and written
+    assert sorted(moved.values()) == sorted([(7 * 33 + 33 + 7 * 33) * 4, 2 * 7 * 7 * 4])
