@@ -20,6 +20,7 @@
 #              tiles and with FUSION_COMPILER_TILES=0, each in its own cache (about 60 s each)
 #   ab         `bench $AB_TARGETS` (with $AB_ARGS) at this tree and at $AB_TAR (a `git archive REV`
 #              of an earlier commit, in the tree), each in its own cache
+#   rowtiles   benchmarks/row_tiles.py (tiles of rows and warps for Mamba2's segment sums)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   memory     benchmarks/peak_memory.py on each of $MEMORY_TARGETS: static peaks and measured
 #              max_memory_allocated for eager, fusion and Inductor (about 60 s each)
@@ -108,6 +109,8 @@ for s in $STEPS; do
             bench $AB_TARGETS $AB_ARGS -o $OUT/ab_old.json 2>&1 | $quiet"
         step "ab new" 300 "cd $here && FUSION_COMPILER_CACHE_DIR=/tmp/fc-ab-new fusion-compiler \
             bench $AB_TARGETS $AB_ARGS -o $OUT/ab_new.json 2>&1 | $quiet" ;;
+    rowtiles) step rowtiles 300 "python3 benchmarks/row_tiles.py --out $OUT/row_tiles.json 2>&1 \
+        | $quiet" ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \
         | $quiet" ;;
     compile|profile)
