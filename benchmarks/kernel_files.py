@@ -1,0 +1,98 @@
+"""Generated kernels timed alone, each against its floor (GPU).
+
+    python benchmarks/kernel_files.py CACHE_DIR_OR_FILE ... [--kind row] [--min-mb 30]
+
+Each kernel module of a cache folder (``FUSION_COMPILER_CACHE_DIR``, filled by a `bench` or
+`dump` of a model) is loaded and its ``launch`` called on random inputs of the shapes its
+kernel's signature comments give (contiguous, floats scaled by 0.1), after a first call that
+compiles it: do_bench median, L2 flushed, and % of the floor (the bytes its header says it
+moves over the copy bandwidth measured here). The slowest first. Comparing two caches of the
+same model made by two commits (gpu_check's ``ab`` step makes them) shows which kernels a change
+moved; ``kernel_table.py --groups`` gives the same kernels' times inside the model's call.
+Kernels with symbolic sizes or other launch arguments are skipped; arguments with a default
+(an output buffer to reuse) keep it.
+"""
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from patterns import copy_bandwidth  # noqa: E402
+
+BYTES = re.compile(r"^# bytes moved: (\d+) read \+ (\d+) written$", re.M)
+SIGNATURE = re.compile(r"def launch\(DEVICE, ([^)]*)\)")
+INPUT = re.compile(r"^\s+(in\d+),  # torch\.(\w+) (\[[^\]]*\])", re.M)
+
+
+def kernel_files(paths, kind):
+    for p in map(Path, paths):
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            text = f.read_text()
+            if kind is None or f"({kind} kernel)" in text.splitlines()[0]:
+                yield f, text
+
+
+def inputs_for(text):
+    """Random inputs for the module's ``launch``, or None where it takes other arguments."""
+    m = SIGNATURE.search(text)
+    shapes = {name: (dtype, json.loads(shape)) for name, dtype, shape in INPUT.findall(text)}
+    # arguments with a default (a buffer to reuse, ``r0=None``) keep it
+    names = [a for a in m.group(1).split(", ") if "=" not in a] if m else None
+    if not names or any(a not in shapes for a in names):
+        return None
+    args = []
+    for a in names:
+        dtype, shape = getattr(torch, shapes[a][0]), shapes[a][1]
+        args.append(torch.randn(shape, device="cuda").mul_(0.1).to(dtype)
+                    if dtype.is_floating_point else
+                    torch.randint(0, 2, shape, device="cuda").to(dtype))
+    return args
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", help="cache folders or kernel files")
+    ap.add_argument("--kind", default=None, help="row, pointwise, ... (the header's kind)")
+    ap.add_argument("--min-mb", type=float, default=30.0, help="skip kernels moving less")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_files.py times kernels on a CUDA GPU and none is visible")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for f, text in kernel_files(a.paths, a.kind):
+        m = BYTES.search(text)
+        nbytes = int(m.group(1)) + int(m.group(2)) if m else 0
+        args = inputs_for(text) if nbytes >= a.min_mb * 1e6 else None
+        if args is None:
+            continue
+        spec = importlib.util.spec_from_file_location(f"kernel_{f.stem}", f)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        device = torch.device("cuda", torch.cuda.current_device())
+        module.launch(device, *args)
+        torch.cuda.synchronize()
+        us = do_bench(lambda: module.launch(device, *args), warmup=25, rep=200,
+                      return_mode="median") * 1e3
+        floor = nbytes / bw * 1e6
+        rows.append({"file": str(f), "us": us, "floor_us": floor, "bytes": nbytes,
+                     "title": text.splitlines()[0][len("# fusion-compiler: "):],
+                     "ops": text.splitlines()[1][:90]})
+        del args
+    for r in sorted(rows, key=lambda r: -r["us"]):
+        print(f"{r['us']:9.1f} us  floor {r['floor_us']:8.1f} ({100 * r['floor_us'] / r['us']:5.1f}%)"
+              f"  {r['bytes'] / 1e6:8.1f} MB  {Path(r['file']).stem[:10]}  {r['title']}"
+              f"  {r['ops'][len('# fused ops '):]}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"copy_TBps": bw / 1e12, "kernels": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
