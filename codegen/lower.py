@@ -28,7 +28,7 @@ from . import ops
 from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, flip_index, join_digits,
                        print_expr, roll_index, view_index)
 from .row_outputs import (FLIP, ROLL, alongside, layout_chain, moved, pointwise_shape, pulled,
-                          push_index, reshaped, traced)
+                          push_index, read_beside, reshaped, traced)
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
 from .lower_pointwise import PointwiseLowering, is_product, summed_values
 from .launch import _next_pow2
@@ -65,7 +65,8 @@ def iteration_space(ir: KernelIR):
                if ir.values[o].shape not in allowed and not one_a_row(ir.values[o].shape, rows)
                and layout_chain(ir, o, shape) is None
                and pulled(ir, o, shape) is None and not reshaped(ir, o, shape)
-               and alongside(ir, o, shape) is None and traced(ir, o, shape) is None}
+               and alongside(ir, o, shape) is None and traced(ir, o, shape) is None
+               and read_beside(ir, o, shape) is None}
         if bad:
             raise NotFusable(f"output shape {sorted(map(str, bad))} is neither per-element nor "
                              f"per-row of the reduction over {shape}")
@@ -201,6 +202,14 @@ class Lowering(PointwiseLowering):
         elif row and val.shape != self.shape and not reshaped(self.ir, vid, self.shape) and (
                 chain := traced(self.ir, vid, self.shape)) is not None:
             self._store_traced(pos, vid, val, *chain)
+        elif row and val.shape != self.shape and not reshaped(self.ir, vid, self.shape) and (
+                found := read_beside(self.ir, vid, self.shape)) is not None:
+            root, chain, views = found
+            index = push_index(self.full, self.ir, root, chain, self.hints)
+            for op, rid in reversed(views):     # back to vid, where the op reads it
+                index = self._source_index(op, rid, index)
+            var = self.value(vid, index, frozenset())
+            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
         elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
             index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
             var = self.value(vid, index, frozenset())

@@ -15,7 +15,10 @@ reduction (codegen/lower.py asks, for ``iteration_space`` and for each store):
   output beside the input whose permuted view the rows are);
 - ``traced``: a value computed element for element, by views and elementwise ops, from a value
   of the iteration's shape (Mamba2's segment sums decayed in another layout than the
-  cumsum's rows), computed and stored at the index the chain's views move each element to.
+  cumsum's rows), computed and stored at the index the chain's views move each element to;
+- ``read_beside``: a value that, laid out by views, is an operand of an elementwise op on such
+  a chain, of the op's own shape (the bmm's result that those decays multiply, in the layout
+  the backward reads): stored where that op reads it.
 
 A pointwise kernel with outputs of several shapes iterates over one of them where the others
 are views of it (``pointwise_shape``), and stores those by the same chains (``moved``:
@@ -146,6 +149,40 @@ def traced(ir: KernelIR, vid: int, shape: tuple):
         else:
             continue
         stack.extend((r, chain + [(op, v)]) for r in sources if r is not None)
+    return None
+
+
+def read_beside(ir: KernelIR, vid: int, shape: tuple):
+    """(root, chain, views) where value ``vid``, laid out by views that keep each element
+    (``_TRACE``, ``views``: [(op, result id), ...] from ``vid`` on), is an operand of an
+    elementwise op of ``chain`` of its result's own shape, ``chain`` the first ops of one
+    ``traced`` gives another output (``root`` of ``shape`` first); else None. The kernel
+    evaluates that op at each element of its result once, so ``vid`` at each of its own once:
+    it is stored there, at the index ``chain`` moves the iteration to, pulled back through
+    ``views``. Mamba2's chunked scan multiplies the segment sums' decays by a bmm's result
+    laid out by a clone that backward reads too (transformers 5.17): the clone is written by
+    the row kernel that reads the bmm's result, where a kernel of its own wrote it and the
+    row kernel read it back."""
+    n_in = len(ir.inputs)
+    for o in ir.outputs:
+        if o == vid or tuple(ir.values[o].shape) == tuple(shape):
+            continue
+        found = traced(ir, o, shape)
+        if found is None:
+            continue
+        root, chain = found
+        for k, (op, rid) in enumerate(chain):
+            if op.target not in ELEMENTWISE:
+                continue
+            for r in map(ref_id, flat_args(op.args)):
+                if r is None or tuple(ir.values[r].shape) != tuple(ir.values[rid].shape):
+                    continue
+                views = []
+                while r != vid and r >= n_in and ir.ops[r - n_in].target in _TRACE:
+                    views.append((ir.ops[r - n_in], r))
+                    r = ref_id(ir.ops[r - n_in].args[0])
+                if r == vid:
+                    return root, chain[:k + 1], views[::-1]
     return None
 
 

@@ -282,6 +282,59 @@ def test_mamba2_segment_sums_are_one_kernel(dtype, device):
     assert_close(out, f(x.float()).to(dtype), dtype=dtype, atol=atol, rtol=rtol)
 
 
+def decayed_states(A, Gb, b, c, h):
+    """transformers 5.17's Mamba2 in small: a bmm's result Gb [b*c*h, l, s] laid out as G
+    [b, c, l, s, h] by a clone (an output: the backward reads it), times the segment sums'
+    decays exp(segment_sum(A)) in that layout, a sum over a dim of 1, stored [b, c, h, l, s]."""
+    l = Gb.shape[-1]
+    G = Gb.view(b, c, h, l, l).permute(0, 1, 3, 4, 2).contiguous()
+    L = torch.exp(segment_sum(A))
+    M = (G[..., None] * L.permute(0, 2, 3, 4, 1)[..., None]).sum(-1)
+    return G, M.permute(0, 1, 4, 2, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("sizes", [(2, 2, 8, 16), (1, 3, 4, 24), (2, 1, 5, 17)], ids=str)
+def test_a_layout_copy_the_scan_kernel_reads_is_written_there(sizes, dtype, device):
+    """The clone of the bmm's result, read by the row kernel at one element per element of the
+    product it multiplies (row_outputs.read_beside), is written by that kernel: one kernel that
+    reads the bmm's result, where a kernel of its own wrote the clone and the row kernel read
+    it back. Odd sizes: rows of 24 and 17 (masked columns), h of 5, a chunk of 1."""
+    b, c, h, l = sizes
+    A = -randn((b, h, c, l), dtype, device).abs() * 0.1
+    Gb = randn((b * c * h, l, l), dtype, device)
+    fn = lambda a, g: decayed_states(a, g, b, c, h)     # noqa: E731
+    out, reports = compile_and_run(fn, (A, Gb))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    G, M = fn(A, Gb)
+    assert torch.equal(out[0], G) and out[0].stride() == G.stride()     # a copy: exact
+    atol, rtol = _scan_tol(dtype, l)
+    want = fn(A.float(), Gb.float())[1].to(dtype)   # eager's CUDA scan adds bf16 in bf16
+    assert out[1].stride() == M.stride()
+    assert_close(out[1], want, dtype=dtype, atol=atol, rtol=rtol)
+
+
+def test_training_through_the_layout_copy_written_by_the_scan_kernel(device):
+    """Gradients of A and the bmm's result through the forward that writes the clone beside
+    the decayed product (the clone is what autograd keeps for the backward)."""
+    b, c, h, l = 2, 2, 4, 16
+    A = (-randn((b, h, c, l), torch.float32, device).abs() * 0.1).requires_grad_()
+    Gb = randn((b * c * h, l, l), torch.float32, device).requires_grad_()
+    fn = lambda a, g: decayed_states(a, g, b, c, h)     # noqa: E731
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        got = torch.compile(fn, backend="fusion", fullgraph=True)(A, Gb)
+        weights = [torch.randn_like(o) for o in got]
+        grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got, weights)), (A, Gb))
+    want = fn(A, Gb)
+    wgrads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)), (A, Gb))
+    assert kernel_count(reports, "forward") == 1
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float32, atol=1e-5 * l, rtol=1e-5)
+    for name, g, w in zip(["A", "Gb"], grads, wgrads):
+        assert_close(g, w, torch.float32, atol=1e-4 * l, rtol=1e-4, name=f"grad of {name}")
+
+
 def test_what_stays_on_aten_says_why(device):
     """Other dims whose rows lie side by side in short runs (ATen's scan), fp64, and rows
     longer than one block."""
