@@ -204,12 +204,9 @@ class Lowering(PointwiseLowering):
             self._store_traced(pos, vid, val, *chain)
         elif row and val.shape != self.shape and not reshaped(self.ir, vid, self.shape) and (
                 found := read_beside(self.ir, vid, self.shape)) is not None:
-            root, chain, views = found
-            index = push_index(self.full, self.ir, root, chain, self.hints)
-            for op, rid in reversed(views):     # back to vid, where the op reads it
-                index = self._source_index(op, rid, index)
-            var = self.value(vid, index, frozenset())
-            self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
+            root, chain, views = found      # where the op reads it, back through the views
+            self._store_pulled(pos, vid, val, views,
+                               push_index(self.full, self.ir, root, chain, self.hints))
         elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
             index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
             var = self.value(vid, index, frozenset())
@@ -231,10 +228,11 @@ class Lowering(PointwiseLowering):
         index = push_index(self.full, self.ir, root, chain_ops, self.hints)
         self._emit_to(True, ("store", pos, var, self._offset(index, val.stride), True))
 
-    def _store_pulled(self, pos, vid, val, chain):
+    def _store_pulled(self, pos, vid, val, chain, index=None):
         """Store ``val`` (value ``vid``), computed and stored at the index ``chain``'s views
-        pull each element of the iteration back to (``pulled``, ``alongside``)."""
-        index = self.full
+        pull each element of the iteration (or the element at ``index`` of the chain's last
+        result: ``read_beside``) back to (``pulled``, ``alongside``)."""
+        index = self.full if index is None else index
         for op, rid in reversed(chain):     # back to vid, as the iteration reads it
             index = self._source_index(op, rid, index)
         var = self.value(vid, index, frozenset())
