@@ -25,7 +25,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patterns import copy_bandwidth  # noqa: E402
 
-BYTES = re.compile(r"^# bytes moved: (\d+) read \+ (\d+) written$", re.M)
+from fusion_compiler.codegen.render import bytes_moved  # noqa: E402
+
 SIGNATURE = re.compile(r"def launch\(DEVICE, ([^)]*)\)")
 INPUT = re.compile(r"^\s+(in\d+),  # torch\.(\w+) (\[[^\]]*\])", re.M)
 
@@ -68,8 +69,7 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for f, text in kernel_files(a.paths, a.kind):
-        m = BYTES.search(text)
-        nbytes = int(m.group(1)) + int(m.group(2)) if m else 0
+        nbytes = bytes_moved(text) or 0
         args = inputs_for(text) if nbytes >= a.min_mb * 1e6 else None
         if args is None:
             continue

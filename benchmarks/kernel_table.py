@@ -16,17 +16,14 @@ take at the copy bandwidth measured in the same run: what is left to win, group 
 """
 import argparse
 import collections
-import re
 import time
 
 import torch
 
 import fusion_compiler
+from fusion_compiler.codegen.render import bytes_moved
 
 from fusion_compiler.targets import load_factory
-
-
-BYTES = re.compile(r"^# bytes moved: (\d+) read \+ (\d+) written$", re.M)
 
 
 def group_bytes(reports) -> dict:
@@ -36,9 +33,9 @@ def group_bytes(reports) -> dict:
     for r in reports:
         for k in r.kernels:
             with open(k["path"]) as f:
-                m = BYTES.search(f.read())
-            if m:
-                found[f"fc#{k['group']}"] = int(m.group(1)) + int(m.group(2))
+                nbytes = bytes_moved(f.read())
+            if nbytes is not None:
+                found[f"fc#{k['group']}"] = nbytes
     return found
 
 

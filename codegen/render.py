@@ -8,6 +8,8 @@ store, fp32 math, a header comment naming the fused ops and the estimated bytes.
 """
 from __future__ import annotations
 
+import re
+
 import sympy
 
 from . import launch as rules
@@ -168,6 +170,16 @@ from fusion_compiler.codegen.launch import (FAST_ALLOC, current_device, empty_cu
                                             raw_stream, reinterpret, row_settings,
                                             split_settings)
 """
+
+
+_MOVED = re.compile(r"^# bytes moved: (\d+) read \+ (\d+) written$", re.M)
+
+
+def bytes_moved(source: str):
+    """The bytes a generated module's kernel reads and writes, summed, from its header
+    (``_header``); None where they are symbolic."""
+    m = _MOVED.search(source)
+    return None if m is None else int(m.group(1)) + int(m.group(2))
 
 
 def _header(ir, title, kind):
