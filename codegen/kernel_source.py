@@ -60,7 +60,8 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
     (``row_loops.split_phases``). ``tiling``: where given, a pointwise kernel may take 2-d
     tiles (codegen/tiles.py), and ``tiling["cap"]`` is then the most elements its launcher
     may give a program; a persistent row kernel may take tiles of rows, and
-    ``tiling["rows"]`` is then (least, most) rows its launcher may give a program."""
+    ``tiling["rows"]`` is then (least, most) rows its launcher may give a program and the
+    least warps."""
     row = lk.kind == "row"
     exprs = [o for _, _, o, _ in lk.loads] + [s[3] for s in all_stores(lk)]
     preds = {p for _, _, _, ps in lk.loads for p in ps} | select_preds(lk)
@@ -85,7 +86,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
              else None)
     rows = {RINDEX}         # the symbols of a row kernel's row index
     if rtile is not None:
-        tiling["rows"] = (rtile.lo, rtile.cap)
+        tiling["rows"] = (rtile.lo, rtile.cap, rtile.warps)
         rows = set(rtile.names.values()) | set(rtile.swapped.values())
         vec = rows | {COLS}
     tiled = tile if tile is not None else rtile

@@ -202,7 +202,7 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
     ``looped_block``: the looped kernel's and split stages' step (``launch.row_limits``);
     ``block_cap``: the most elements a program of a tiled pointwise kernel (or part) takes, so
     that its tiles divide their dims (codegen/tiles.py); ``row_bounds``: (least, most) rows a
-    program of a tiled persistent row kernel takes (tiles.RowTile)."""
+    program of a tiled persistent row kernel takes and its least warps (tiles.RowTile)."""
     syms = [s.name for s in ir.symbols]
     ins = [f"in{i}" for i in range(len(ir.inputs))]
     # DEVICE first: the generate pass binds it per graph (one module may serve several devices)
@@ -350,6 +350,8 @@ def render_launcher(ir: KernelIR, kind, shape, kernels: dict, max_persistent_blo
             if row_bounds:
                 lines.append(f"        XBLOCK = min(max(XBLOCK, {row_bounds[0]}), {row_bounds[1]})"
                              "  # tiles of rows")
+                if row_bounds[2] > 1:
+                    lines.append(f"        num_warps = max(num_warps, {row_bounds[2]})")
             lines.append("        grid = (R + XBLOCK - 1) // XBLOCK")
         settings = ["XBLOCK", "RBLOCK", "num_warps"]
         constexprs = ["XBLOCK", "RBLOCK", "index64"]

@@ -119,7 +119,7 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     if xt < MIN_RUN:
         return None
     total, across = 0, {}
-    for _, co, _, nbytes, unit in accesses:
+    for _, co, _, nbytes, unit, _ in accesses:
         total += nbytes
         if unit is not None and unit != x and co.get(x, 0) != 0:
             across[unit] = across.get(unit, 0) + nbytes
@@ -135,18 +135,19 @@ def plan(lk, syms: list, sizes: list, subs: dict):
 
 def _accesses(lk, syms: list, sizes: list, subs: dict, cols: int = 1):
     """(Splits of the dims ``syms`` of ``sizes``, [(itemsize, {dim: coefficient}, whether
-    predicated, bytes, the dim of coefficient 1 or None)] of each load and store of ``lk``
-    affine in the split dims; a row kernel's column ``cols`` among the coefficients, its
-    ``cols`` columns among the bytes)."""
+    predicated, bytes, the dim of coefficient 1 or None, whether a store)] of each load and
+    store of ``lk`` affine in the split dims; a row kernel's column ``cols`` among the
+    coefficients, its ``cols`` columns among the bytes)."""
     accesses = [(lk.ir.inputs[in_id].dtype.itemsize, off, bool(ps))
                 for _, in_id, off, ps in lk.loads]
+    loads = len(accesses)
     accesses += [(lk.ir.values[lk.ir.outputs[st[1]]].dtype.itemsize, st[3], False)
                  for st in all_stores(lk)]
     offs = [sympy.sympify(off).xreplace(subs) for _, off, _ in accesses]
     splits = Splits(list(syms), {s: int(n) for s, n in zip(syms, sizes)}, offs)
     size = {**splits.size, _COLS: cols}
     out = []
-    for (itemsize, _, guarded), off in zip(accesses, offs):
+    for k, ((itemsize, _, guarded), off) in enumerate(zip(accesses, offs)):
         co = affine_coeffs(splits.apply(off), set(size))
         if co is None:
             continue
@@ -155,7 +156,7 @@ def _accesses(lk, syms: list, sizes: list, subs: dict, cols: int = 1):
             if co.get(s, 0) != 0:
                 nbytes *= n
         unit = next((s for s in splits.syms if co.get(s, 0) == 1), None)
-        out.append((itemsize, co, guarded, nbytes, unit))
+        out.append((itemsize, co, guarded, nbytes, unit, k >= loads))
     return splits, out
 
 
@@ -204,13 +205,25 @@ ROW_SECTOR = 32         # bytes: the run a tile side should give each access
 ROW_MIN_YT = 4          # Y values a tile at least
 ROW_MIN_XT = 8          # X values a tile at least, where accesses run along X
 ROW_ELEMS_MAX = 8192    # elements a program at most (launch.STRIDED_ELEMS)
+# A store along Y whose tile side is under a sector writes part sectors, each of which the L2
+# completes from memory when it writes the sector back. Mamba2's segment-sum kernel writing
+# G [b, c, l, s, h] (fp32, h contiguous) beside its product (row_outputs.read_beside), 403 MB,
+# each kernel file alone (benchmarks/kernel_files.py, H100, session 68), us: 8 x 4 rows on 8
+# warps 576, 8 x 8 on 4 / 8 / 16 warps 371 / 261 / 280, 8 x 16 397-1936; unfused (its clone
+# kernel and the row kernel reading G) 94 + 225. Such a tile takes Y a sector where it holds
+# at most ``ROW_SECTOR_ELEMS`` elements, on at least ``ROW_SECTOR_WARPS`` warps. Loads along Y
+# keep ``ROW_MIN_YT``: the row kernel reading G along h ran 225 at 8 x 4, 204 at 8 x 8 (8 warps)
+# and 298-309 at 8 x 16 (kernel_files.py), 199 / 215 / 182 in benchmarks/row_tiles.py: no
+# rule in that.
+ROW_SECTOR_ELEMS = 16384
+ROW_SECTOR_WARPS = 8
 
 
 @dataclass(frozen=True)
 class RowTile:
     """A tiled persistent row kernel over row ``dims`` ((sym, size), outermost first): ``x``
     (the innermost) walked ``xt`` a program, ``y`` walked ``XBLOCK // xt``, XBLOCK in
-    [``lo``, ``cap``]; ``names``: each dim's variable in the X-inner order, ``swapped`` in the
+    [``lo``, ``cap``] on at least ``warps`` warps; ``names``: each dim's variable in the X-inner order, ``swapped`` in the
     Y-inner order (the other dims' the same)."""
     dims: tuple
     x: sympy.Symbol
@@ -218,6 +231,7 @@ class RowTile:
     xt: int
     lo: int
     cap: int
+    warps: int
     names: dict
     swapped: dict
     splits: Splits
@@ -252,13 +266,15 @@ def row_plan(lk, syms: list, sizes: list, subs: dict):
     if len(syms) < 2:
         return None
     x = syms[-1]
-    total, across, along_x = 0, {}, []
-    for itemsize, co, guarded, nbytes, unit in accesses:
+    total, across, along_x, stored = 0, {}, [], {}
+    for itemsize, co, guarded, nbytes, unit, store in accesses:
         total += nbytes
         if unit == x:
             along_x.append(itemsize)
         elif unit is not None and co.get(x, 0) != 0 and co.get(_COLS, 0) != 0 and not guarded:
             across[unit] = across.get(unit, 0) + nbytes
+            if store:
+                stored[unit] = min(stored.get(unit, itemsize), itemsize)
     if not across:
         return None
     y = max(across, key=across.get)
@@ -269,15 +285,21 @@ def row_plan(lk, syms: list, sizes: list, subs: dict):
     rblock = 1 << (size[_COLS] - 1).bit_length()
     while xt > ROW_MIN_XT and xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
         xt //= 2            # a long row: shorter runs along X (half a sector of bf16 at 8)
-    lo = xt * ROW_MIN_YT
-    if yt < ROW_MIN_YT or lo * rblock > ROW_ELEMS_MAX:
+    if yt < ROW_MIN_YT or xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
         return None
-    cap = xt * min(yt, max(ROW_MIN_YT, ROW_ELEMS_MAX // (rblock * xt)))
+    least = ROW_MIN_YT      # Y values a program at least: a sector for a store along Y
+    if y in stored:
+        least = max(least, min(yt, ROW_SECTOR // stored[y]))
+        while least > ROW_MIN_YT and xt * least * rblock > ROW_SECTOR_ELEMS:
+            least //= 2
+    lo = xt * least
+    cap = xt * min(yt, max(least, ROW_ELEMS_MAX // (rblock * xt)))
     names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
     swapped = dict(names)
     for s in (x, y):
         swapped[s] = sympy.Symbol(f"j{syms.index(s)}", integer=True, nonnegative=True)
-    return RowTile(tuple((s, size[s]) for s in syms), x, y, xt, lo, cap, names, swapped,
+    warps = ROW_SECTOR_WARPS if lo * rblock > ROW_ELEMS_MAX else 1
+    return RowTile(tuple((s, size[s]) for s in syms), x, y, xt, lo, cap, warps, names, swapped,
                    splits)
 
 

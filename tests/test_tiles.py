@@ -202,6 +202,45 @@ def test_rows_stored_along_a_row_dim_alone(cache_dir, device, dtype):
     row_check(norm_stored_along_rows, (x, w), dtype, cache_dir, tiled=True, swapped=False)
 
 
+def sums_stored_along_rows(x):
+    """Rows [b, h, l] of l2 (x [b, h, l, l2], read along the rows), summed along them, stored
+    with h contiguous ([b, l2, l, h]: along the row dim Y) and, exponentiated, with l
+    contiguous ([b, h, l2, l]: along X)."""
+    y = torch.cumsum(x, dim=-1)
+    return y.permute(0, 3, 2, 1).contiguous(), torch.exp(y).transpose(-1, -2).contiguous()
+
+
+# (shape, fp32 or half precision): (the least rows a program, whether 8 warps at least)
+SECTOR_TILES = {((2, 16, 64, 32), 4): (8 * 8, False), ((2, 16, 64, 32), 2): (16 * 16, False),
+                ((1, 8, 16, 256), 4): (8 * 8, True), ((1, 8, 16, 256), 2): (8 * 8, True),
+                ((1, 16, 8, 40), 4): (8 * 8, False), ((1, 16, 8, 40), 2): (8 * 16, False)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 16, 64, 32), (1, 8, 16, 256), (1, 16, 8, 40)], ids=str)
+def test_a_store_along_another_row_dim_takes_a_sector_of_it(cache_dir, device, dtype, shape):
+    """A store along Y (h) gets a tile side of 32 bytes of h where h has them and the tile
+    holds at most tiles.ROW_SECTOR_ELEMS elements (part sectors cost a read of memory each):
+    l by 8 of h in fp32, by 16 in half precision, 8 of each where rows of 256 would pass
+    16384 elements; at least 8 warps past 8192 elements a program. Rows of 40 columns: masked.
+    Inputs scaled so that the exp of a sum of 256 stays in fp16's range."""
+    x = torch.randn(shape, dtype=dtype, device=device) * 0.05
+    text = row_check(sums_stored_along_rows, (x,), dtype, cache_dir, tiled=True, swapped=True)
+    least, warps = SECTOR_TILES[shape, x.element_size()]
+    assert f"XBLOCK = min(max(XBLOCK, {least}), " in text
+    assert ("num_warps = max(num_warps, 8)" in text) == warps
+
+
+def test_loads_along_another_row_dim_keep_the_least_tile(cache_dir, device):
+    """Loads along Y (h) alone keep ROW_MIN_YT values of h (wider tiles measured no faster
+    for Mamba2's segment sums, tiles.ROW_SECTOR_ELEMS) and the launcher's warps."""
+    from fusion_compiler.codegen import tiles
+    x = torch.randn(1, 256, 16, 32, dtype=torch.float32, device=device) * 0.25
+    text = row_check(segment_sums, (x,), torch.float32, cache_dir, tiled=True, swapped=True)
+    assert f"XBLOCK = min(max(XBLOCK, {8 * tiles.ROW_MIN_YT}), " in text
+    assert "num_warps = max(" not in text
+
+
 @pytest.mark.parametrize("shape", [(2, 32, 64, 6), (2, 32, 12, 3)])
 def test_row_dims_tiles_cannot_divide_keep_consecutive_rows(cache_dir, device, shape):
     """h of 6 or 3 (no power of two of at least 4 divides it): XBLOCK consecutive rows."""
