@@ -24,9 +24,9 @@ from __future__ import annotations
 import sympy
 import torch
 
-from . import ops
-from .indexing import (INDEX_OPS as _INDEX_OPS, broadcast_index, flip_index, join_digits,
-                       print_expr, roll_index, view_index)
+from . import ops, tiles
+from .indexing import (INDEX_OPS as _INDEX_OPS, affine_coeffs, broadcast_index, flip_index,
+                       join_digits, print_expr, roll_index, view_index)
 from .row_outputs import (FLIP, ROLL, alongside, layout_chain, moved, pointwise_shape, pulled,
                           push_index, read_beside, reshaped, traced)
 from .kernel_ir import IROp, KernelIR, NotFusable, ref_id
@@ -207,6 +207,7 @@ class Lowering(PointwiseLowering):
             root, chain, views = found      # where the op reads it, back through the views
             self._store_pulled(pos, vid, val, views,
                                push_index(self.full, self.ir, root, chain, self.hints))
+            self._check_beside_runs(val)
         elif row and val.shape != self.shape:   # reshaped (iteration_space checked it)
             index = view_index(full, self.shape, val.shape, self.hints, self.ranges)
             var = self.value(vid, index, frozenset())
@@ -214,6 +215,23 @@ class Lowering(PointwiseLowering):
         else:
             var = self.value(vid, full, frozenset())
             self._emit_to(True, ("store", pos, var, self._offset(full, val.stride), True))
+
+    def _check_beside_runs(self, val):
+        """A layout copy written beside the op that reads it (``read_beside``; the last store)
+        walks memory along the column, the rows' innermost dim, or another row dim a tile of
+        rows gives a sector of (``tiles.row_sector_reachable``); else NotFusable: in part
+        sectors the copy cost more than a kernel of its own (Mamba2's G, runs of 16 bytes:
+        the fused kernel 576 us against 94 + 225 unfused, H100, session 68)."""
+        off = next(s[3] for s in reversed(self.phases[-1].body) if s[0] == "store")
+        rows = [s for s, n in zip(self.iter_syms[:-1], self.shape[:-1]) if n != 1]
+        co = affine_coeffs(off, set(self.iter_syms))
+        unit = next((s for s in self.iter_syms if co and co.get(s, 0) == 1), None)
+        if unit is None or unit == COL or not rows or unit == rows[-1]:
+            return
+        if not tiles.row_sector_reachable(self.ranges[unit], val.dtype.itemsize,
+                                          self.shape[-1], (co.get(rows[-1]), co.get(COL))):
+            raise NotFusable(f"a layout copy stored along row dim of {self.ranges[unit]} in "
+                             "runs under a sector: its own kernel writes it faster")
 
     def _store_pushed(self, pos, val, root, chain_ops):
         """Store ``val``, value ``root`` laid out again by ``chain_ops`` (``layout_chain``):

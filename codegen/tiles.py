@@ -219,6 +219,24 @@ ROW_SECTOR_ELEMS = 16384
 ROW_SECTOR_WARPS = 8
 
 
+def row_sector_reachable(y_size, itemsize: int, row_length, steps) -> bool:
+    """Whether a tile of rows (``row_plan``) can give a store along a row dim of ``y_size``
+    other than the innermost runs of a sector or more: static sizes, and either a power of two
+    of ``ROW_SECTOR`` bytes dividing it, ``ROW_MIN_XT`` rows of X by that within
+    ``ROW_SECTOR_ELEMS`` elements, or a Y of a power of two from ``ROW_MIN_YT`` that the tile
+    takes whole, X or the column stepping over it (``steps``: the store's strides along X and
+    the column): the store then writes runs of Y by the tile's X or planes of Y by the row.
+    (``row_plan`` takes as Y the one dim most bytes walk.)"""
+    if not all(sympy.sympify(v).is_Integer for v in (y_size, row_length)):
+        return False
+    y, need = int(y_size), max(1, ROW_SECTOR // itemsize)
+    rblock = 1 << (int(row_length) - 1).bit_length()
+    if _pow2_divisor(y) >= need and ROW_MIN_XT * need * rblock <= ROW_SECTOR_ELEMS:
+        return True
+    return (y == _pow2_divisor(y) and y >= ROW_MIN_YT and y in steps
+            and ROW_MIN_XT * y * rblock <= ROW_ELEMS_MAX)
+
+
 @dataclass(frozen=True)
 class RowTile:
     """A tiled persistent row kernel over row ``dims`` ((sym, size), outermost first): ``x``

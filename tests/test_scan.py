@@ -294,12 +294,13 @@ def decayed_states(A, Gb, b, c, h):
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("sizes", [(2, 2, 8, 16), (1, 3, 4, 24), (2, 1, 5, 17)], ids=str)
+@pytest.mark.parametrize("sizes", [(2, 2, 8, 16), (1, 3, 4, 24), (2, 1, 4, 17)], ids=str)
 def test_a_layout_copy_the_scan_kernel_reads_is_written_there(sizes, dtype, device):
     """The clone of the bmm's result, read by the row kernel at one element per element of the
     product it multiplies (row_outputs.read_beside), is written by that kernel: one kernel that
     reads the bmm's result, where a kernel of its own wrote the clone and the row kernel read
-    it back. Odd sizes: rows of 24 and 17 (masked columns), h of 5, a chunk of 1."""
+    it back. h (the clone's contiguous dim) of 8 and 4: a tile of rows takes it whole, or a
+    sector of it in fp32. Odd sizes: rows of 24 and 17 (masked columns), a chunk of 1."""
     b, c, h, l = sizes
     A = -randn((b, h, c, l), dtype, device).abs() * 0.1
     Gb = randn((b * c * h, l, l), dtype, device)
@@ -312,6 +313,28 @@ def test_a_layout_copy_the_scan_kernel_reads_is_written_there(sizes, dtype, devi
     want = fn(A.float(), Gb.float())[1].to(dtype)   # eager's CUDA scan adds bf16 in bf16
     assert out[1].stride() == M.stride()
     assert_close(out[1], want, dtype=dtype, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("h", [5, 2, 12])
+def test_a_layout_copy_no_tile_writes_in_sectors_keeps_its_own_kernel(h, dtype, device):
+    """h of 5, 2 or 12: no tile of rows takes a sector of h (a power of two of 32 bytes) or
+    all of it, so the kernel would write the clone in part sectors (Mamba2's G in runs of 16
+    bytes: 576 us fused against 94 + 225 unfused, H100): the clone keeps a kernel of its own,
+    refused for that reason, and the values are eager's."""
+    b, c, l = 2, 2, 16
+    A = -randn((b, h, c, l), dtype, device).abs() * 0.1
+    Gb = randn((b * c * h, l, l), dtype, device)
+    fn = lambda a, g: decayed_states(a, g, b, c, h)     # noqa: E731
+    out, reports = compile_and_run(fn, (A, Gb))
+    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+    reasons = [d["reason"] for r in reports for d in r.decisions if not d["taken"]]
+    assert any("runs under a sector" in why for why in reasons), reasons
+    G, M = fn(A, Gb)
+    assert torch.equal(out[0], G) and out[0].stride() == G.stride()
+    atol, rtol = _scan_tol(dtype, l)
+    assert_close(out[1], fn(A.float(), Gb.float())[1].to(dtype), dtype=dtype, atol=atol,
+                 rtol=rtol)
 
 
 def test_training_through_the_layout_copy_written_by_the_scan_kernel(device):
