@@ -19,7 +19,8 @@
 #   tiles      `bench $TILES_TARGET --mode training` (Mamba2 8 x 1024 at 4 x 1024) with pointwise
 #              tiles and with FUSION_COMPILER_TILES=0, each in its own cache (about 60 s each)
 #   ab         `bench $AB_TARGETS` (with $AB_ARGS) at this tree and at $AB_TAR (a `git archive REV`
-#              of an earlier commit, in the tree), each in its own cache
+#              of an earlier commit, in the tree), each in its own cache; then each cache's
+#              kernels of at least $AB_MIN_MB MB (100) timed alone (benchmarks/kernel_files.py)
 #   rowtiles   benchmarks/row_tiles.py (tiles of rows and warps for Mamba2's segment sums)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   memory     benchmarks/peak_memory.py on each of $MEMORY_TARGETS: static peaks and measured
@@ -108,7 +109,13 @@ for s in $STEPS; do
             && PYTHONPATH=/tmp/ab-old FUSION_COMPILER_CACHE_DIR=/tmp/fc-ab-old fusion-compiler \
             bench $AB_TARGETS $AB_ARGS -o $OUT/ab_old.json 2>&1 | $quiet"
         step "ab new" 300 "cd $here && FUSION_COMPILER_CACHE_DIR=/tmp/fc-ab-new fusion-compiler \
-            bench $AB_TARGETS $AB_ARGS -o $OUT/ab_new.json 2>&1 | $quiet" ;;
+            bench $AB_TARGETS $AB_ARGS -o $OUT/ab_new.json 2>&1 | $quiet"
+        # each cache's big kernels alone (both through this tree's launch helpers), so that a
+        # change of the step's time is found in its kernels without another call
+        for side in old new; do
+            step "ab kernels $side" 150 "python3 benchmarks/kernel_files.py /tmp/fc-ab-$side \
+                --min-mb ${AB_MIN_MB:-100} --out $OUT/ab_kernels_$side.json 2>&1 | $quiet"
+        done ;;
     rowtiles) step rowtiles 300 "python3 benchmarks/row_tiles.py --out $OUT/row_tiles.json 2>&1 \
         | $quiet" ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \
