@@ -221,28 +221,35 @@ ROW_SECTOR_WARPS = 8
 
 def row_sector_reachable(y_size, itemsize: int, row_length, steps) -> bool:
     """Whether a tile of rows (``row_plan``) can give a store along a row dim of ``y_size``
-    other than the innermost runs of a sector or more: static sizes, and either a power of two
-    of ``ROW_SECTOR`` bytes dividing it, ``ROW_MIN_XT`` rows of X by that within
-    ``ROW_SECTOR_ELEMS`` elements, or a Y of a power of two from ``ROW_MIN_YT`` that the tile
-    takes whole, X or the column stepping over it (``steps``: the store's strides along X and
-    the column): the store then writes runs of Y by the tile's X or planes of Y by the row.
-    (``row_plan`` takes as Y the one dim most bytes walk.)"""
+    other than the innermost runs of a sector or more: static sizes, a tile at all (X a
+    sector of this itemsize, halved to ``ROW_MIN_XT`` for a long row, as the plan does), and
+    within ``ROW_SECTOR_ELEMS`` elements either a power of two of ``ROW_SECTOR`` bytes
+    dividing Y, or all of a Y of a power of two from ``ROW_MIN_YT`` with X or the column
+    stepping over it (``steps``: the store's strides along X and the column), the store then
+    writing runs of Y by the tile's X or planes of Y by the row. Where X's accesses are
+    narrower or X is shorter the plan's tile is smaller than assumed here, which only makes
+    this answer cautious; the plan takes as Y the one dim most bytes walk."""
     if not all(sympy.sympify(v).is_Integer for v in (y_size, row_length)):
         return False
     y, need = int(y_size), max(1, ROW_SECTOR // itemsize)
     rblock = 1 << (int(row_length) - 1).bit_length()
-    if _pow2_divisor(y) >= need and ROW_MIN_XT * need * rblock <= ROW_SECTOR_ELEMS:
-        return True
+    xt = need
+    while xt > ROW_MIN_XT and xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
+        xt //= 2
+    if xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
+        return False
+    if _pow2_divisor(y) >= need:
+        return xt * need * rblock <= ROW_SECTOR_ELEMS
     return (y == _pow2_divisor(y) and y >= ROW_MIN_YT and y in steps
-            and ROW_MIN_XT * y * rblock <= ROW_ELEMS_MAX)
+            and xt * y * rblock <= ROW_SECTOR_ELEMS)
 
 
 @dataclass(frozen=True)
 class RowTile:
     """A tiled persistent row kernel over row ``dims`` ((sym, size), outermost first): ``x``
     (the innermost) walked ``xt`` a program, ``y`` walked ``XBLOCK // xt``, XBLOCK in
-    [``lo``, ``cap``] on at least ``warps`` warps; ``names``: each dim's variable in the X-inner order, ``swapped`` in the
-    Y-inner order (the other dims' the same)."""
+    [``lo``, ``cap``] on at least ``warps`` warps; ``names``: each dim's variable in the
+    X-inner order, ``swapped`` in the Y-inner order (the other dims' the same)."""
     dims: tuple
     x: sympy.Symbol
     y: sympy.Symbol

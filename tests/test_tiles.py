@@ -276,3 +276,19 @@ def test_training_through_tiled_row_kernels(cache_dir, device, dtype):
     atol, rtol = TOL[dtype]
     assert_close(gx, wx, dtype, atol=atol * 10, rtol=rtol * 4)     # reversed sums of 32
     assert sources(cache_dir).count(ROWS_TILED) == 1
+
+
+@pytest.mark.parametrize("y,itemsize,row,steps,want", [
+    (32, 4, 256, (32, 8192), True),     # Mamba2's G: h of 32 fp32, rows of 256 (8 x 8 tiles)
+    (32, 2, 256, (32, 8192), False),    # in bf16 a sector of h needs 8 x 16 x 256 elements
+    (4, 4, 256, (4, 32), True),         # all of h, l stepping over it: runs of 4 x 8
+    (4, 4, 256, (64, 1024), False),     # all of h, nothing stepping over it: 16-byte runs
+    (12, 4, 64, (12, 12), False),       # no power of two of 8 divides 12, nor is 12 one
+    (2, 4, 64, (2, 2), False),          # under ROW_MIN_YT: no tile at all
+    (64, 4, 4096, (64, 1), False),      # rows of 4096: no tile fits
+])
+def test_which_stores_along_a_row_dim_a_tile_writes_in_sectors(y, itemsize, row, steps, want):
+    """tiles.row_sector_reachable, by which read_beside refuses a layout copy a row kernel
+    would write in part sectors (Lowering._check_beside_runs)."""
+    from fusion_compiler.codegen import tiles
+    assert tiles.row_sector_reachable(y, itemsize, row, steps) is want
