@@ -219,29 +219,41 @@ ROW_SECTOR_ELEMS = 16384
 ROW_SECTOR_WARPS = 8
 
 
+def _row_x_side(xt: int, rblock: int):
+    """The tile's X values from ``xt`` for rows of ``rblock``: halved to ``ROW_MIN_XT`` while
+    ``ROW_MIN_YT`` rows of Y pass ``ROW_ELEMS_MAX`` elements (a long row: shorter runs along
+    X, half a sector of bf16 at 8); None where even that does not fit (no tile)."""
+    while xt > ROW_MIN_XT and xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
+        xt //= 2
+    return xt if xt * ROW_MIN_YT * rblock <= ROW_ELEMS_MAX else None
+
+
+def _stored_y_side(xt: int, yt: int, itemsize: int, rblock: int) -> int:
+    """Y values a program at least where a store of ``itemsize`` walks Y (of which ``yt``
+    divide it): a sector of Y, halved while the tile passes ``ROW_SECTOR_ELEMS``."""
+    least = max(ROW_MIN_YT, min(yt, ROW_SECTOR // itemsize))
+    while least > ROW_MIN_YT and xt * least * rblock > ROW_SECTOR_ELEMS:
+        least //= 2
+    return least
+
+
 def row_sector_reachable(y_size, itemsize: int, row_length, steps) -> bool:
-    """Whether a tile of rows (``row_plan``) can give a store along a row dim of ``y_size``
-    other than the innermost runs of a sector or more: static sizes, a tile at all (X a
-    sector of this itemsize, halved to ``ROW_MIN_XT`` for a long row, as the plan does), and
-    within ``ROW_SECTOR_ELEMS`` elements either a power of two of ``ROW_SECTOR`` bytes
-    dividing Y, or all of a Y of a power of two from ``ROW_MIN_YT`` with X or the column
-    stepping over it (``steps``: the store's strides along X and the column), the store then
-    writing runs of Y by the tile's X or planes of Y by the row. Where X's accesses are
-    narrower or X is shorter the plan's tile is smaller than assumed here, which only makes
-    this answer cautious; the plan takes as Y the one dim most bytes walk."""
+    """Whether a tile of rows (``row_plan``) gives a store along a row dim of ``y_size``
+    other than the innermost runs of a sector or more: the plan's own sides (X a sector of
+    this itemsize), and Y's side either a sector or all of Y with X or the column stepping
+    over it (``steps``: the store's strides along X and the column), the store then writing
+    runs of Y by the tile's X or planes of Y by the row. Where X's accesses are narrower or X
+    is shorter the plan's tile is smaller than assumed here, which only makes this answer
+    cautious; the plan takes as Y the one dim most bytes walk."""
     if not all(sympy.sympify(v).is_Integer for v in (y_size, row_length)):
         return False
     y, need = int(y_size), max(1, ROW_SECTOR // itemsize)
     rblock = 1 << (int(row_length) - 1).bit_length()
-    xt = need
-    while xt > ROW_MIN_XT and xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
-        xt //= 2
-    if xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
+    xt, yt = _row_x_side(need, rblock), _pow2_divisor(y)
+    if xt is None or yt < ROW_MIN_YT:
         return False
-    if _pow2_divisor(y) >= need:
-        return xt * need * rblock <= ROW_SECTOR_ELEMS
-    return (y == _pow2_divisor(y) and y >= ROW_MIN_YT and y in steps
-            and xt * y * rblock <= ROW_SECTOR_ELEMS)
+    least = _stored_y_side(xt, yt, itemsize, rblock)
+    return least >= need or (least == y and y in steps)
 
 
 @dataclass(frozen=True)
@@ -308,15 +320,11 @@ def row_plan(lk, syms: list, sizes: list, subs: dict):
     xt = min(_pow2_divisor(size[x]), ROW_SECTOR // min(along_x)) if along_x else 1
     yt = _pow2_divisor(size[y])
     rblock = 1 << (size[_COLS] - 1).bit_length()
-    while xt > ROW_MIN_XT and xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
-        xt //= 2            # a long row: shorter runs along X (half a sector of bf16 at 8)
-    if yt < ROW_MIN_YT or xt * ROW_MIN_YT * rblock > ROW_ELEMS_MAX:
+    xt = _row_x_side(xt, rblock)
+    if xt is None or yt < ROW_MIN_YT:
         return None
-    least = ROW_MIN_YT      # Y values a program at least: a sector for a store along Y
-    if y in stored:
-        least = max(least, min(yt, ROW_SECTOR // stored[y]))
-        while least > ROW_MIN_YT and xt * least * rblock > ROW_SECTOR_ELEMS:
-            least //= 2
+    # Y values a program at least: a sector for a store along Y
+    least = _stored_y_side(xt, yt, stored[y], rblock) if y in stored else ROW_MIN_YT
     lo = xt * least
     cap = xt * min(yt, max(least, ROW_ELEMS_MAX // (rblock * xt)))
     names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
