@@ -99,8 +99,11 @@ def row_index(full, rows, shape) -> tuple:
 
 
 class Lowering(PointwiseLowering):
-    def __init__(self, ir: KernelIR, hints: dict, persistent: bool):
+    def __init__(self, ir: KernelIR, hints: dict, persistent: bool, row_tiles: bool = True):
+        """``row_tiles``: a persistent row kernel may take a tile of rows (off with
+        ``FUSION_COMPILER_TILES=0``); a looped one never does (``_check_beside_runs``)."""
         self.ir, self.hints, self.persistent = ir, hints, persistent
+        self.row_tiles = row_tiles and persistent
         self.kind, self.shape = iteration_space(ir)
         prefix = "r" if self.kind == "row" else "i"
         n_iter = len(self.shape) - (1 if self.kind == "row" else 0)
@@ -228,6 +231,10 @@ class Lowering(PointwiseLowering):
         unit = next((s for s in self.iter_syms if co and co.get(s, 0) == 1), None)
         if unit is None or unit == COL or not rows or unit == rows[-1]:
             return
+        if not self.row_tiles:
+            raise NotFusable(f"a layout copy stored along row dim of {self.ranges[unit]} "
+                             "needs a tile of rows (tiles off, or a looped row): its own kernel "
+                             "writes it faster")
         if not tiles.row_sector_reachable(self.ranges[unit], val.dtype.itemsize,
                                           self.shape[-1], (co.get(rows[-1]), co.get(COL))):
             raise NotFusable(f"a layout copy stored along row dim of {self.ranges[unit]} in "

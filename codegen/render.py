@@ -52,7 +52,7 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
             # a scan holds its row in one block (the lowering refused longer or symbolic rows)
             max_persistent_block = max(max_persistent_block, rules._next_pow2(int(n)))
         fits = n.is_Integer and rules._next_pow2(int(n)) <= max_persistent_block
-        held = Lowering(ir, hints, True).run() if not n.is_Integer or fits else None
+        held = Lowering(ir, hints, True, tiles).run() if not n.is_Integer or fits else None
         looped = None if fits else Lowering(ir, hints, False).run()
         if not scans:
             # elements too heavy for a thread to hold a whole row of them: the looped kernel,

@@ -34,7 +34,7 @@ def graph_key(gm: torch.fx.GraphModule, ctx) -> str:
     h = hashlib.sha256(_FINGERPRINT.encode())
     cfg = ctx.config
     h.update(repr((cfg.max_group_ops, cfg.max_persistent_block, cfg.max_resident_row,
-                   ctx.profile)).encode())
+                   cfg.tiles, ctx.profile)).encode())      # tiles: legality (read_beside)
     h.update(repr(sorted((str(k), int(v)) for k, v in ctx.size_hints.items())).encode())
     for n in gm.graph.nodes:
         info = n.meta.get("fc_tensor")

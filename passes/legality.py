@@ -18,13 +18,13 @@ def check_legal(group: FusionGroup, view: GraphView, ctx) -> None:
     hints = canonical_hints(syms, ir, ctx.size_hints)
     # the IR text is canonical (node and symbol names renamed): the same candidate in every
     # layer of a model is lowered once
-    key = (text, tuple(sorted((str(k), v) for k, v in hints.items())))
+    key = (text, tuple(sorted((str(k), v) for k, v in hints.items())), ctx.config.tiles)
     verdict = _LOWERED.get(key)
     if verdict is None:
         try:
             parts = view.multipart_parts(ir)    # independent pointwise parts of other shapes
             for sub in ([ir] if parts is None else [sub for sub, _, _ in parts]):
-                Lowering(sub, hints, persistent=True).run()
+                Lowering(sub, hints, persistent=True, row_tiles=ctx.config.tiles).run()
             verdict = ""
         except NotFusable as exc:
             verdict = str(exc) or "not fusable"

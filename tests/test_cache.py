@@ -659,6 +659,18 @@ def test_decision_cache_key_follows_the_config(cache_dir, device, monkeypatch):
     assert_close(out[0], model(x, w)[0])
 
 
+
+def test_decision_cache_key_follows_the_tiles_option(cache_dir, device, monkeypatch):
+    """Tiles off is another search: legality asks whether a tile of rows writes a layout copy
+    (lower.Lowering's ``row_tiles``), so a search made with tiles must not be restored."""
+    x, w = model_inputs(device)
+    compile_and_run(model, (x, w))
+    monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
+    forget_loaded_kernels(monkeypatch)
+    out, _ = compile_and_run(model, (x, w))
+    assert len(list((cache_dir / "graphs").rglob("*.pkl"))) == 2
+    assert_close(out[0], model(x, w)[0])
+
 # ------------------------------------------------------------------------------ a full disk
 def _full_disk(monkeypatch, full_roots):
     """Files written under any of ``full_roots`` fail as on a full disk: half the data lands,

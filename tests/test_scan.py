@@ -337,6 +337,27 @@ def test_a_layout_copy_no_tile_writes_in_sectors_keeps_its_own_kernel(h, dtype, 
                  rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_layout_copy_with_tiles_off_keeps_its_own_kernel(dtype, device, monkeypatch):
+    """``FUSION_COMPILER_TILES=0``: no tile of rows, so the row kernel would write the clone
+    (stored along h, a row dim) one element a sector: it keeps a kernel of its own, refused
+    for that reason, where with tiles (h of 8) the row kernel writes it."""
+    monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
+    b, c, h, l = 2, 2, 8, 16
+    A = -randn((b, h, c, l), dtype, device).abs() * 0.1
+    Gb = randn((b * c * h, l, l), dtype, device)
+    fn = lambda a, g: decayed_states(a, g, b, c, h)     # noqa: E731
+    out, reports = compile_and_run(fn, (A, Gb))
+    assert kernel_count(reports) == 2 and leftover_aten(reports) == []
+    reasons = [d["reason"] for r in reports for d in r.decisions if not d["taken"]]
+    assert any("needs a tile of rows" in why for why in reasons), reasons
+    G, M = fn(A, Gb)
+    assert torch.equal(out[0], G) and out[0].stride() == G.stride()
+    atol, rtol = _scan_tol(dtype, l)
+    assert_close(out[1], fn(A.float(), Gb.float())[1].to(dtype), dtype=dtype, atol=atol,
+                 rtol=rtol)
+
+
 def test_training_through_the_layout_copy_written_by_the_scan_kernel(device):
     """Gradients of A and the bmm's result through the forward that writes the clone beside
     the decayed product (the clone is what autograd keeps for the backward)."""
