@@ -20,7 +20,8 @@
 #              tiles and with FUSION_COMPILER_TILES=0, each in its own cache (about 60 s each)
 #   ab         `bench $AB_TARGETS` (with $AB_ARGS) at this tree and at $AB_TAR (a `git archive REV`
 #              of an earlier commit, in the tree), each in its own cache; then each cache's
-#              kernels of at least $AB_MIN_MB MB (100) timed alone (benchmarks/kernel_files.py)
+#              kernels of at least $AB_MIN_MB MB (100) timed alone (benchmarks/kernel_files.py),
+#              and those files in $OUT/ab_kernels.tgz
 #   rowtiles   benchmarks/row_tiles.py (tiles of rows and warps for Mamba2's segment sums)
 #   strided    benchmarks/strided_rows.py (strided-row settings at ConvNeXt-T's stages)
 #   memory     benchmarks/peak_memory.py on each of $MEMORY_TARGETS: static peaks and measured
@@ -115,7 +116,14 @@ for s in $STEPS; do
         for side in old new; do
             step "ab kernels $side" 150 "python3 benchmarks/kernel_files.py /tmp/fc-ab-$side \
                 --min-mb ${AB_MIN_MB:-100} --out $OUT/ab_kernels_$side.json 2>&1 | $quiet"
-        done ;;
+        done
+        # and those kernel files themselves, to edit and time again (kernel_files.py
+        # --reference): the CPU's dump of a model need not make the GPU run's kernels
+        python3 -c "import json, tarfile
+with tarfile.open('$OUT/ab_kernels.tgz', 'w:gz') as t:
+    for side in ('old', 'new'):
+        for k in json.load(open(f'$OUT/ab_kernels_{side}.json'))['kernels']:
+            t.add(k['file'])" >> "$LOG" 2>&1 ;;
     rowtiles) step rowtiles 300 "python3 benchmarks/row_tiles.py --out $OUT/row_tiles.json 2>&1 \
         | $quiet" ;;
     strided) step strided 200 "python3 benchmarks/strided_rows.py --out $OUT/strided.json 2>&1 \

@@ -11,6 +11,11 @@ same model made by two commits (gpu_check's ``ab`` step makes them) shows which 
 moved; ``kernel_table.py --groups`` gives the same kernels' times inside the model's call.
 Kernels with symbolic sizes or other launch arguments are skipped; arguments with a default
 (an output buffer to reuse) keep it.
+
+``--reference FILE``: hand-edited copies of one kernel (other tiles, warps, statements) checked
+before they are timed: each file taking the same inputs runs on the reference's inputs, and
+the largest difference of each of its outputs from the reference's is printed and kept
+(``max_diff``; an output a copy leaves unwritten differs by garbage).
 """
 import argparse
 import importlib.util
@@ -56,30 +61,56 @@ def inputs_for(text):
     return args
 
 
+def reference(path, device):
+    """([(shape, dtype)] of the inputs, the inputs, the outputs) of the kernel file ``path``,
+    on inputs drawn once (seed 0)."""
+    text = Path(path).read_text()
+    torch.manual_seed(0)
+    args = inputs_for(text)
+    if args is None:
+        sys.exit(f"{path}: its launch takes arguments other than inputs of static shapes")
+    spec = importlib.util.spec_from_file_location("kernel_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = [o.clone() for o in module.launch(device, *args)]
+    return [(t.shape, t.dtype) for t in args], args, out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", help="cache folders or kernel files")
     ap.add_argument("--kind", default=None, help="row, pointwise, ... (the header's kind)")
     ap.add_argument("--min-mb", type=float, default=30.0, help="skip kernels moving less")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reference", default=None,
+                    help="a kernel file whose outputs the others taking its inputs must match")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_files.py times kernels on a CUDA GPU and none is visible")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
+    device = torch.device("cuda", torch.cuda.current_device())
+    ref = reference(a.reference, device) if a.reference else None
     for f, text in kernel_files(a.paths, a.kind):
         nbytes = bytes_moved(text) or 0
         args = inputs_for(text) if nbytes >= a.min_mb * 1e6 else None
         if args is None:
             continue
+        same = ref is not None and [(t.shape, t.dtype) for t in args] == ref[0]
+        if same:
+            args = ref[1]
         spec = importlib.util.spec_from_file_location(f"kernel_{f.stem}", f)
         module = importlib.util.module_from_spec(spec)
-        device = torch.device("cuda", torch.cuda.current_device())
         try:        # one kernel that does not compile or launch (e.g. a hand-edited tile out of
             spec.loader.exec_module(module)     # shared memory) costs its row, not the table
-            module.launch(device, *args)
+            out = module.launch(device, *args)
             torch.cuda.synchronize()
+            diff = [float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref[2])] \
+                if same else None
+            if same:
+                print(f"{f}: max difference of each output from the reference {diff}",
+                      flush=True)
             us = do_bench(lambda: module.launch(device, *args), warmup=25, rep=200,
                           return_mode="median") * 1e3
         except Exception as e:
@@ -88,8 +119,8 @@ def main():
         floor = nbytes / bw * 1e6
         rows.append({"file": str(f), "us": us, "floor_us": floor, "bytes": nbytes,
                      "title": text.splitlines()[0][len("# fusion-compiler: "):],
-                     "ops": text.splitlines()[1][:90]})
-        del args
+                     "ops": text.splitlines()[1][:90], "max_diff": diff})
+        del args, out
     for r in sorted(rows, key=lambda r: -r["us"]):
         print(f"{r['us']:9.1f} us  floor {r['floor_us']:8.1f} ({100 * r['floor_us'] / r['us']:5.1f}%)"
               f"  {r['bytes'] / 1e6:8.1f} MB  {Path(r['file']).stem[:10]}  {r['title']}"
