@@ -647,29 +647,21 @@ def test_damaged_decision_entry_is_decided_again(cache_dir, device, monkeypatch,
     assert len(entry.read_bytes()) > 40                   # rewritten whole
 
 
-def test_decision_cache_key_follows_the_config(cache_dir, device, monkeypatch):
-    """Another max_group_ops is another search, never a restored one."""
+@pytest.mark.parametrize("option,value", [("MAX_GROUP_OPS", "3"), ("TILES", "0")])
+def test_decision_cache_key_follows_the_config(cache_dir, device, monkeypatch, option, value):
+    """Another max_group_ops is another search, never a restored one; so are tiles off
+    (legality asks whether a tile of rows writes a layout copy: lower.Lowering's
+    ``row_tiles``)."""
     x, w = model_inputs(device)
     compile_and_run(model, (x, w))
-    monkeypatch.setenv("FUSION_COMPILER_MAX_GROUP_OPS", "3")
+    monkeypatch.setenv(f"FUSION_COMPILER_{option}", value)
     forget_loaded_kernels(monkeypatch)
     out, reports = compile_and_run(model, (x, w))
     assert len(list((cache_dir / "graphs").rglob("*.pkl"))) == 2
-    assert all(len(g["ops"]) <= 3 for g in reports[0].summary["groups"])
+    if option == "MAX_GROUP_OPS":
+        assert all(len(g["ops"]) <= 3 for g in reports[0].summary["groups"])
     assert_close(out[0], model(x, w)[0])
 
-
-
-def test_decision_cache_key_follows_the_tiles_option(cache_dir, device, monkeypatch):
-    """Tiles off is another search: legality asks whether a tile of rows writes a layout copy
-    (lower.Lowering's ``row_tiles``), so a search made with tiles must not be restored."""
-    x, w = model_inputs(device)
-    compile_and_run(model, (x, w))
-    monkeypatch.setenv("FUSION_COMPILER_TILES", "0")
-    forget_loaded_kernels(monkeypatch)
-    out, _ = compile_and_run(model, (x, w))
-    assert len(list((cache_dir / "graphs").rglob("*.pkl"))) == 2
-    assert_close(out[0], model(x, w)[0])
 
 # ------------------------------------------------------------------------------ a full disk
 def _full_disk(monkeypatch, full_roots):
