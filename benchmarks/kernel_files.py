@@ -44,36 +44,36 @@ def kernel_files(paths, kind):
                 yield f, text
 
 
-def inputs_for(text):
-    """Random inputs for the module's ``launch``, or None where it takes other arguments."""
+def input_specs(text):
+    """[(dtype, shape)] of the module's ``launch`` arguments, or None where it takes others."""
     m = SIGNATURE.search(text)
     shapes = {name: (dtype, json.loads(shape)) for name, dtype, shape in INPUT.findall(text)}
     # arguments with a default (a buffer to reuse, ``r0=None``) keep it
     names = [a for a in m.group(1).split(", ") if "=" not in a] if m else None
     if not names or any(a not in shapes for a in names):
         return None
-    args = []
-    for a in names:
-        dtype, shape = getattr(torch, shapes[a][0]), shapes[a][1]
-        args.append(torch.randn(shape, device="cuda").mul_(0.1).to(dtype)
-                    if dtype.is_floating_point else
-                    torch.randint(0, 2, shape, device="cuda").to(dtype))
-    return args
+    return [(getattr(torch, shapes[a][0]), shapes[a][1]) for a in names]
+
+
+def inputs_for(specs):
+    """Random inputs of ``specs`` (``input_specs``) on the GPU."""
+    return [torch.randn(shape, device="cuda").mul_(0.1).to(dtype) if dtype.is_floating_point
+            else torch.randint(0, 2, shape, device="cuda").to(dtype) for dtype, shape in specs]
 
 
 def reference(path, device):
-    """([(shape, dtype)] of the inputs, the inputs, the outputs) of the kernel file ``path``,
-    on inputs drawn once (seed 0)."""
-    text = Path(path).read_text()
-    torch.manual_seed(0)
-    args = inputs_for(text)
-    if args is None:
+    """(``input_specs``, the inputs, the outputs) of the kernel file ``path``, on inputs
+    drawn once (seed 0)."""
+    specs = input_specs(Path(path).read_text())
+    if specs is None:
         sys.exit(f"{path}: its launch takes arguments other than inputs of static shapes")
+    torch.manual_seed(0)
+    args = inputs_for(specs)
     spec = importlib.util.spec_from_file_location("kernel_reference", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = [o.clone() for o in module.launch(device, *args)]
-    return [(t.shape, t.dtype) for t in args], args, out
+    return specs, args, out
 
 
 def main():
@@ -94,12 +94,11 @@ def main():
     ref = reference(a.reference, device) if a.reference else None
     for f, text in kernel_files(a.paths, a.kind):
         nbytes = bytes_moved(text) or 0
-        args = inputs_for(text) if nbytes >= a.min_mb * 1e6 else None
-        if args is None:
+        specs = input_specs(text) if nbytes >= a.min_mb * 1e6 else None
+        if specs is None:
             continue
-        same = ref is not None and [(t.shape, t.dtype) for t in args] == ref[0]
-        if same:
-            args = ref[1]
+        same = ref is not None and specs == ref[0]
+        args = ref[1] if same else inputs_for(specs)
         spec = importlib.util.spec_from_file_location(f"kernel_{f.stem}", f)
         module = importlib.util.module_from_spec(spec)
         try:        # one kernel that does not compile or launch (e.g. a hand-edited tile out of
