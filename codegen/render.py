@@ -47,21 +47,8 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
                                                    "_pointwise_kernel", tiling=tiling)))
     else:
         n = shape[-1]
-        scans = any(op.target in SCANS for op in ir.ops)
-        if n.is_Integer and scans:
-            # a scan holds its row in one block (the lowering refused longer or symbolic rows)
-            max_persistent_block = max(max_persistent_block, rules._next_pow2(int(n)))
-        fits = n.is_Integer and rules._next_pow2(int(n)) <= max_persistent_block
-        held = Lowering(ir, hints, True, tiles).run() if not n.is_Integer or fits else None
-        looped = None if fits else Lowering(ir, hints, False).run()
-        if not scans:
-            # elements too heavy for a thread to hold a whole row of them: the looped kernel,
-            # in steps that fit (launch.row_limits)
-            max_persistent_block, looped_block = rules.row_limits(
-                int(n) if n.is_Integer else None, element_registers(held or looped),
-                max_persistent_block)
-            if fits and rules._next_pow2(int(n)) > max_persistent_block:
-                held, looped = None, Lowering(ir, hints, False).run()
+        held, looped, max_persistent_block, looped_block = lower_rows(
+            ir, hints, n, max_persistent_block, tiles)
         if held is not None:
             late = late_loads(held)
             strided = strided_kind(held)
@@ -98,6 +85,31 @@ def generate(ir: KernelIR, hints: dict, title: str, max_persistent_block: int,
     if strided:
         launcher = f"STRIDED = {strided}\n\n\n" + launcher
     return f"{header}\n{_IMPORTS}\n\n{body}\n\n{launcher}\n"
+
+
+def lower_rows(ir: KernelIR, hints: dict, n, max_persistent_block: int, tiles: bool):
+    """(held, looped, max_persistent_block, looped_block) of a row kernel over rows of ``n``:
+    the persistent lowering where a program holds the row (else None), the looped one where
+    the row is streamed (else None; symbolic rows get both, the launcher picks), the block
+    past which rows loop and the looped kernel's step. Legality calls it too, so a group it
+    passes is one the generator makes (NotFusable propagates)."""
+    scans = any(op.target in SCANS for op in ir.ops)
+    looped_block = rules.LOOPED_RBLOCK
+    if n.is_Integer and scans:
+        # a scan holds its row in one block (the lowering refused longer or symbolic rows)
+        max_persistent_block = max(max_persistent_block, rules._next_pow2(int(n)))
+    fits = n.is_Integer and rules._next_pow2(int(n)) <= max_persistent_block
+    held = Lowering(ir, hints, True, tiles).run() if not n.is_Integer or fits else None
+    looped = None if fits else Lowering(ir, hints, False).run()
+    if not scans:
+        # elements too heavy for a thread to hold a whole row of them: the looped kernel,
+        # in steps that fit (launch.row_limits)
+        max_persistent_block, looped_block = rules.row_limits(
+            int(n) if n.is_Integer else None, element_registers(held or looped),
+            max_persistent_block)
+        if fits and rules._next_pow2(int(n)) > max_persistent_block:
+            held, looped = None, Lowering(ir, hints, False).run()
+    return held, looped, max_persistent_block, looped_block
 
 
 def multipart_parts(ir: KernelIR):

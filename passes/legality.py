@@ -3,7 +3,8 @@ distinct candidate in a process: the same candidate recurs in every layer of a m
 from __future__ import annotations
 
 from ..codegen.kernel_ir import NotFusable, build_kernel_ir, canonical_hints, fx_signature
-from ..codegen.lower import Lowering
+from ..codegen.lower import Lowering, iteration_space
+from ..codegen.render import lower_rows
 from .groups import FusionGroup, GraphView
 
 
@@ -18,13 +19,22 @@ def check_legal(group: FusionGroup, view: GraphView, ctx) -> None:
     hints = canonical_hints(syms, ir, ctx.size_hints)
     # the IR text is canonical (node and symbol names renamed): the same candidate in every
     # layer of a model is lowered once
-    key = (text, tuple(sorted((str(k), v) for k, v in hints.items())), ctx.config.tiles)
+    config = ctx.config
+    key = (text, tuple(sorted((str(k), v) for k, v in hints.items())), config.tiles,
+           config.max_persistent_block)
     verdict = _LOWERED.get(key)
     if verdict is None:
         try:
             parts = view.multipart_parts(ir)    # independent pointwise parts of other shapes
-            for sub in ([ir] if parts is None else [sub for sub, _, _ in parts]):
-                Lowering(sub, hints, persistent=True, row_tiles=ctx.config.tiles).run()
+            if parts is not None:
+                for sub, _, _ in parts:
+                    Lowering(sub, hints, persistent=True, row_tiles=config.tiles).run()
+            else:
+                kind, shape = iteration_space(ir)
+                if kind == "pointwise":
+                    Lowering(ir, hints, persistent=True, row_tiles=config.tiles).run()
+                else:       # the generator's own lowerings: persistent, looped or both
+                    lower_rows(ir, hints, shape[-1], config.max_persistent_block, config.tiles)
             verdict = ""
         except NotFusable as exc:
             verdict = str(exc) or "not fusable"

@@ -344,6 +344,41 @@ def test_a_layout_copy_no_tile_writes_in_sectors_keeps_its_own_kernel(h, tiles, 
                  rtol=rtol)
 
 
+def softmax_states(A, Gb, b, c, h):
+    """``decayed_states`` with a softmax's row kernel in place of the scan's: rows of l that
+    may loop (no scan holds them in one block)."""
+    l = Gb.shape[-1]
+    G = Gb.view(b, c, h, l, l).permute(0, 1, 3, 4, 2).contiguous()
+    M = (G[..., None] * torch.softmax(A, -1).permute(0, 2, 3, 4, 1)[..., None]).sum(-1)
+    return G, M.permute(0, 1, 4, 2, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("l,block,kernels", [(16, "16384", 1), (16, "8", 2), (17, "8", 2)],
+                         ids=str)
+def test_a_layout_copy_beside_a_looped_row_keeps_its_own_kernel(l, block, kernels, dtype,
+                                                                 device, monkeypatch):
+    """Rows longer than ``max_persistent_block`` loop, and a looped kernel has no tile of rows:
+    legality lowers what the generator will make (codegen/render.lower_rows), so the clone is
+    refused there and keeps its own kernel beside the fused softmax. Before, legality lowered
+    every row as persistent, passed the group, and the generator's refusal left all ten ops
+    on ATen."""
+    monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", block)
+    b, c, h = 2, 2, 8
+    A = randn((b, h, c, l, l), dtype, device)
+    Gb = randn((b * c * h, l, l), dtype, device)
+    fn = lambda a, g: softmax_states(a, g, b, c, h)     # noqa: E731
+    out, reports = compile_and_run(fn, (A, Gb))
+    assert kernel_count(reports) == kernels and leftover_aten(reports) == []
+    reasons = [d["reason"] for r in reports for d in r.decisions if not d["taken"]]
+    assert (kernels == 2) == any("needs a tile of rows" in why for why in reasons), reasons
+    G, M = fn(A, Gb)
+    assert torch.equal(out[0], G) and out[0].stride() == G.stride()
+    want = fn(A.float(), Gb.float())[1].to(dtype)
+    assert out[1].stride() == M.stride()
+    assert_close(out[1], want, dtype=dtype)
+
+
 def test_training_through_the_layout_copy_written_by_the_scan_kernel(device):
     """Gradients of A and the bmm's result through the forward that writes the clone beside
     the decayed product (the clone is what autograd keeps for the backward)."""
