@@ -80,7 +80,7 @@ def render_kernel(lk: LoweredKernel, name: str, part: bool = False, late=(), sta
             else None)
     if tile is not None:
         tiling["cap"] = tile.cap
-        vec = {tile.names[tile.x], tile.names[tile.y]}
+        vec = tile.vector
     rtile = (tiles.row_plan(lk, new_syms, new_sizes, subs)
              if tiling is not None and row and name == "_persistent_kernel" and stage is None
              else None)

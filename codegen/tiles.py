@@ -1,4 +1,5 @@
-"""Pointwise kernels over 2-d tiles, where some of their memory is walked along another dim.
+"""Pointwise kernels over 2-d (or 3-d) tiles, where some of their memory is walked along another
+dim.
 
 A pointwise kernel's linear index walks its iteration dims in one order (the largest output's
 memory order, kernel_source.memory_order). An access whose stride-1 dim is another one (an
@@ -12,7 +13,8 @@ innermost one (X), every other dim one value a program. Each dim's index is its 
 tile each access walks contiguously: its coalescing gives each load and store the layout of
 its own, and the transposition goes through shared memory. Tiles divide their dims exactly
 (the launcher caps BLOCK at ``cap``), so a tiled kernel has no masks and as many programs as
-the 1-d kernel, as a part of a multi-part kernel too.
+the 1-d kernel, as a part of a multi-part kernel too. Where a third dim (Z) is walked
+contiguously by enough of the bytes, the tile is [Y, X, Z], a sector of each (``_third_dim``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from .statements import all_stores
 XT_MAX = 64         # X values a tile: 256 bytes of fp32, 128 of bf16 contiguous a row
 MIN_RUN = 16        # contiguous elements a tile must give each access along X and along Y
 MIN_SHARE = 8       # the transposed accesses' share of the kernel's bytes, at least 1 / this
+TILE3_SECTOR = 32   # bytes: each side of a 3-d tile (``_third_dim``)
+TILE3_MAX = 1024    # elements a 3-d tile holds at least (its least Y side), at most
 _COLS = sympy.Symbol("cols", integer=True, nonnegative=True)   # kernel_source.COLS
 
 
@@ -43,10 +47,17 @@ class Tile:
     cap: int
     names: dict
     splits: "Splits"
+    z: sympy.Symbol | None = None       # a third dim (``plan``), walked ``zt`` a tile
+    zt: int = 1
 
     def apply(self, e):
         """The kernel's expression ``e`` in the tile's variables."""
         return self.splits.apply(e).xreplace(self.names)
+
+    @property
+    def vector(self) -> set:
+        """The variables that are blocks of the tile (the others one value a program)."""
+        return {self.names[d] for d in (self.x, self.y, self.z) if d is not None}
 
 
 def _pow2_divisor(n: int) -> int:
@@ -130,7 +141,46 @@ def plan(lk, syms: list, sizes: list, subs: dict):
     if yt < MIN_RUN or across[y] * MIN_SHARE < total:
         return None
     names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
-    return Tile(tuple((s, size[s]) for s in syms), x, y, xt, yt * xt, names, splits)
+    dims = tuple((s, size[s]) for s in syms)
+    z = _third_dim(accesses, size, x, y, total)
+    if z is not None:
+        # each side a sector of its accesses (X and Z fixed, Y the rest of BLOCK)
+        xt, zt = _sector_side(accesses, x), _sector_side(accesses, z)
+        return Tile(dims, x, y, xt, yt * xt * zt, names, splits, z, zt)
+    return Tile(dims, x, y, xt, yt * xt, names, splits)
+
+
+def _sector_side(accesses, unit) -> int:
+    """Elements of a 32-byte sector of the narrowest access walking ``unit`` contiguously."""
+    return max(TILE3_SECTOR // itemsize for itemsize, _, _, _, u, _ in accesses if u == unit)
+
+
+def _third_dim(accesses, size: dict, x, y, total: int):
+    """A dim Z besides a tile's X and Y that accesses of at least 1 / ``MIN_SHARE`` of the
+    bytes walk contiguously while stepping along X or Y (each element of a [Y, X] tile then
+    its own sector), or None. Mamba2's backward (transformers 5.17, 8 x 1024 at 4 x 1024)
+    multiplies a [.., l, s, h] operand (h contiguous) into [.., h, l, s] outputs beside two
+    operands read transposed along (s, l): 805 MB, each kernel file alone on the H100
+    (benchmarks/kernel_files.py, session 70, outputs identical), us: tiled over (l, s) 416,
+    this tile of [16, 8, 8] (l, s, h) on 4 warps 384; hand-written [32, 8, 8] on 8 warps 370,
+    [16, 8, 32] 389, [8, 8, 32] 404-422, [8, 8, 8] 404 (the floor: 267). Z, X and Y each
+    take a sector a tile: Z and X sides powers of two dividing their dims, the tile at most
+    ``TILE3_MAX`` elements for the least Y side of a sector."""
+    bytes_by = {}
+    for itemsize, co, _, nbytes, unit, _ in accesses:
+        if unit is not None and unit not in (x, y) and (co.get(x, 0) or co.get(y, 0)):
+            bytes_by[unit] = bytes_by.get(unit, 0) + nbytes
+    if not bytes_by:
+        return None
+    z = max(bytes_by, key=bytes_by.get)
+    if bytes_by[z] * MIN_SHARE < total:
+        return None
+    sides = {d: _sector_side(accesses, d) for d in (x, y, z)
+             if any(u == d for _, _, _, _, u, _ in accesses)}
+    if any(_pow2_divisor(size[d]) < n for d, n in sides.items()) \
+            or sides.get(x, 1) * sides.get(y, 1) * sides[z] > TILE3_MAX:
+        return None
+    return z
 
 
 def _accesses(lk, syms: list, sizes: list, subs: dict, cols: int = 1):
@@ -161,15 +211,25 @@ def _accesses(lk, syms: list, sizes: list, subs: dict, cols: int = 1):
 
 
 def index_lines(tile: Tile) -> list:
-    """Lines giving each dim's variable from ``pid``: X's and Y's blocks of the tile, the other
-    dims' scalars, taken innermost first."""
-    yb = f"(BLOCK // {tile.xt})"
+    """Lines giving each dim's variable from ``pid``: X's, Y's (and Z's) blocks of the tile,
+    the other dims' scalars, taken innermost first."""
     n = dict(tile.dims)
+    if tile.z is None:
+        yb = f"(BLOCK // {tile.xt})"
+        aranges = [f"xo = tl.arange(0, {tile.xt})[None, :]", f"yo = tl.arange(0, {yb})[:, None]"]
+        shape = f"[{yb}, {tile.xt}]"
+    else:
+        yb = f"(BLOCK // {tile.xt * tile.zt})"
+        aranges = [f"xo = tl.arange(0, {tile.xt})[None, :, None]",
+                   f"yo = tl.arange(0, {yb})[:, None, None]",
+                   f"zo = tl.arange(0, {tile.zt})[None, None, :]"]
+        shape = f"[{yb}, {tile.xt}, {tile.zt}]"
     blocks = {tile.x: (str(n[tile.x] // tile.xt), str(tile.xt), [(tile.names[tile.x], "xo")]),
               tile.y: (f"({n[tile.y]} // {yb})", yb, [(tile.names[tile.y], "yo")])}
-    return ([f"xo = tl.arange(0, {tile.xt})[None, :]", f"yo = tl.arange(0, {yb})[:, None]"]
-            + _pid_lines(tile.dims, tile.names, blocks)
-            + [f"xmask = tl.full([{yb}, {tile.xt}], True, tl.int1)  # tiles divide their dims"])
+    if tile.z is not None:
+        blocks[tile.z] = (str(n[tile.z] // tile.zt), str(tile.zt), [(tile.names[tile.z], "zo")])
+    return (aranges + _pid_lines(tile.dims, tile.names, blocks)
+            + [f"xmask = tl.full({shape}, True, tl.int1)  # tiles divide their dims"])
 
 
 def _pid_lines(dims, names: dict, blocks: dict) -> list:

@@ -292,3 +292,29 @@ def test_which_stores_along_a_row_dim_a_tile_writes_in_sectors(y, itemsize, row,
     would write in part sectors (Lowering._check_beside_runs)."""
     from fusion_compiler.codegen import tiles
     assert tiles.row_sector_reachable(y, itemsize, row, steps) is want
+
+
+def three_layouts(G, A, B):
+    """Mamba2's backward product in small (transformers 5.17): G [b, c, l, s, h] (h
+    contiguous) and A [b, h, c, l, s] times each other in [b, c, h, l, s], and B times A
+    transposed along (l, s): three dims that accesses walk contiguously (h, s and l)."""
+    Ap = A.permute(0, 2, 1, 3, 4)
+    return ((G.permute(0, 1, 4, 2, 3) * Ap).contiguous(), B * Ap,
+            (B.mT * Ap.mT).contiguous())
+
+
+@pytest.mark.parametrize("dtype,shape,tile", [
+    (torch.float32, (1, 2, 8, 16), 3), (torch.float32, (2, 3, 16, 32), 3),
+    (torch.float32, (1, 2, 12, 16), 2), (torch.bfloat16, (2, 3, 8, 32), 2),
+    (torch.float16, (1, 2, 16, 16), 2)], ids=str)
+def test_a_third_dim_walked_contiguously_gets_a_3d_tile(cache_dir, device, dtype, shape, tile):
+    """h, s and l each walked contiguously by some access: fp32 takes a tile of a sector (8)
+    of each (Z: h, of 8 or 16); h of 12 (4 divides it) or 2-byte values (16 of each side
+    would be 4096 elements) keep the 2-d tile of (l, s), h one value a program."""
+    b, c, h, l = shape
+    G = torch.randn(b, c, l, l, h, dtype=dtype, device=device)
+    A = torch.randn(b, h, c, l, l, dtype=dtype, device=device)
+    B = torch.randn(b, c, h, l, l, dtype=dtype, device=device)
+    text = check(three_layouts, (G, A, B), dtype, cache_dir, tiled=True)
+    assert ("zo = tl.arange(0, 8)[None, None, :]" in text) == (tile == 3)
+    assert "mask=" not in text.split("def launch")[0]
