@@ -31,7 +31,7 @@ XT_MAX = 64         # X values a tile: 256 bytes of fp32, 128 of bf16 contiguous
 MIN_RUN = 16        # contiguous elements a tile must give each access along X and along Y
 MIN_SHARE = 8       # the transposed accesses' share of the kernel's bytes, at least 1 / this
 TILE3_SECTOR = 32   # bytes: each side of a 3-d tile (``_third_dim``)
-TILE3_MAX = 1024    # elements a 3-d tile holds at least (its least Y side), at most
+TILE3_MAX = 1024    # elements of a 3-d tile of a sector a side, at most
 _COLS = sympy.Symbol("cols", integer=True, nonnegative=True)   # kernel_source.COLS
 
 
@@ -175,10 +175,12 @@ def _third_dim(accesses, size: dict, x, y, total: int):
     z = max(bytes_by, key=bytes_by.get)
     if bytes_by[z] * MIN_SHARE < total:
         return None
-    sides = {d: _sector_side(accesses, d) for d in (x, y, z)
-             if any(u == d for _, _, _, _, u, _ in accesses)}
+    walked = {u for _, _, _, _, u, _ in accesses}
+    if not {x, y} <= walked:        # (Z is walked: it was picked so)
+        return None
+    sides = {d: _sector_side(accesses, d) for d in (x, y, z)}
     if any(_pow2_divisor(size[d]) < n for d, n in sides.items()) \
-            or sides.get(x, 1) * sides.get(y, 1) * sides[z] > TILE3_MAX:
+            or sides[x] * sides[y] * sides[z] > TILE3_MAX:
         return None
     return z
 
