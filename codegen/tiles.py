@@ -142,10 +142,10 @@ def plan(lk, syms: list, sizes: list, subs: dict):
         return None
     names = {s: sympy.Symbol(f"i{k}", integer=True, nonnegative=True) for k, s in enumerate(syms)}
     dims = tuple((s, size[s]) for s in syms)
-    z = _third_dim(accesses, size, x, y, total)
-    if z is not None:
+    third = _third_dim(accesses, size, x, y, total)
+    if third is not None:
         # each side a sector of its accesses (X and Z fixed, Y the rest of BLOCK)
-        xt, zt = _sector_side(accesses, x), _sector_side(accesses, z)
+        z, xt, zt = third
         return Tile(dims, x, y, xt, yt * xt * zt, names, splits, z, zt)
     return Tile(dims, x, y, xt, yt * xt, names, splits)
 
@@ -156,9 +156,9 @@ def _sector_side(accesses, unit) -> int:
 
 
 def _third_dim(accesses, size: dict, x, y, total: int):
-    """A dim Z besides a tile's X and Y that accesses of at least 1 / ``MIN_SHARE`` of the
-    bytes walk contiguously while stepping along X or Y (each element of a [Y, X] tile then
-    its own sector), or None. Mamba2's backward (transformers 5.17, 8 x 1024 at 4 x 1024)
+    """(Z, X's side, Z's side): a dim Z besides a tile's X and Y that accesses of at least
+    1 / ``MIN_SHARE`` of the bytes walk contiguously while stepping along X or Y (each element
+    of a [Y, X] tile then its own sector), and a sector of X and of Z; or None. Mamba2's backward (transformers 5.17, 8 x 1024 at 4 x 1024)
     multiplies a [.., l, s, h] operand (h contiguous) into [.., h, l, s] outputs beside two
     operands read transposed along (s, l): 805 MB, each kernel file alone on the H100
     (benchmarks/kernel_files.py, session 70, outputs identical), us: tiled over (l, s) 416,
@@ -182,7 +182,7 @@ def _third_dim(accesses, size: dict, x, y, total: int):
     if any(_pow2_divisor(size[d]) < n for d, n in sides.items()) \
             or sides[x] * sides[y] * sides[z] > TILE3_MAX:
         return None
-    return z
+    return z, sides[x], sides[z]
 
 
 def _accesses(lk, syms: list, sizes: list, subs: dict, cols: int = 1):
