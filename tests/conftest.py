@@ -2,7 +2,9 @@
 
 TRITON_INTERPRET must be set before triton is imported, so it is decided here, first.
 """
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -16,7 +18,12 @@ except ImportError:  # pragma: no cover
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FUSION_COMPILER_STRICT"] = "1"
-os.environ.setdefault("FUSION_COMPILER_CACHE_DIR", tempfile.mkdtemp(prefix="fc-test-cache-"))
+if "FUSION_COMPILER_CACHE_DIR" not in os.environ:
+    # One kernel cache for the run, made by the first process (xdist's workers inherit the
+    # variable) and removed when that process exits: it holds about 90 MB after the suite.
+    _cache_dir = tempfile.mkdtemp(prefix="fc-test-cache-")
+    os.environ["FUSION_COMPILER_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
