@@ -543,8 +543,9 @@ class Lowering(PointwiseLowering):
     def _select(self, dtype, parts) -> Var:
         """A value chosen among ``parts`` ((predicates, value) pairs: the first whose predicates
         hold; the last one's are not tested)."""
-        row_level = self.kind != "row" or any(v.row_level or any(p.has(COL) for p in pr)
-                                              for pr, v in parts)
+        # a predicate of a per-element index (a gather's, loaded) varies along the row as well
+        row_level = self.kind != "row" or any(
+            v.row_level or any(p.has(*self.per_element) for p in pr) for pr, v in parts)
         var = Var(self._name("v"), dtype, row_level)
         self._emit_to(row_level, ("select", var, parts))
         return var

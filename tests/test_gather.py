@@ -353,3 +353,31 @@ def test_index_select_by_a_0d_index_stays_on_aten(device):
     out, reports = compile_and_run(lambda a, i: a.index_select(1, i) * 2, (a, idx))
     assert "aten.index_select.default" in leftover_aten(reports)
     assert torch.equal(out, a.index_select(1, idx) * 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("source", ["slice_scatter", "pad"])
+@pytest.mark.parametrize("n", [37, 41])
+@pytest.mark.parametrize("block", [None, "8"], ids=["persistent", "chunks"])
+def test_a_gathered_select_is_computed_per_element(source, n, block, dtype, device, monkeypatch):
+    """A source chosen under predicates of its index (a slice_scatter's strided range, a pad's
+    edges) read at a loaded index in a softmax's row kernel: the predicates name the loaded
+    index, so the choice is made per element, after the load (a fuzzer's find: the choice was
+    placed before the row's chunks as a per-row value, and named an index not yet loaded). The
+    row whole, and in chunks of 8 (a resident or looped kernel, where the order matters)."""
+    if block:
+        monkeypatch.setenv("FUSION_COMPILER_MAX_PERSISTENT_BLOCK", block)
+    x = torch.randn(3, n, device=device, dtype=dtype)
+    width = n + 5 if source == "pad" else n
+    idx = torch.randint(0, width, (3, n), device=device)
+
+    def fn(x, idx):
+        if source == "pad":
+            src = F.pad(x, (2, 3), value=1.5)
+        else:
+            src = torch.slice_scatter(x, x[..., 10:33:3] * 2, -1, 10, 33, 3)
+        return torch.softmax(x, -1), torch.gather(src, -1, idx)
+    out, reports = compile_and_run(fn, (x, idx))
+    assert kernel_count(reports) == 1 and leftover_aten(reports) == []
+    for name, got, want in zip(("softmax", "gather"), out, fn(x, idx)):
+        assert_close(got, want, dtype=dtype, name=name)
