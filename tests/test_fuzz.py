@@ -1175,6 +1175,21 @@ def test_regression_gather_by_an_index_read_at_one_address():
     assert kernel_count(check_program_fn(g, [x, i])) == 1
 
 
+# Fixed (session 71): a slice_scatter's mask read at a gathered index, in a row taken in chunks
+# of 8: the mask (a choice between two constants under predicates of the loaded index) was
+# placed before the chunks as a per-row value, naming an index not yet loaded (NameError).
+def test_regression_gathered_mask_in_a_chunked_row():
+    x0 = torch.randn(41, device=DEVICE)
+
+    def f(x0):
+        v0 = torch.slice_scatter(x0, x0[..., 10:33:3] * 2, -1, 10, 33, 3)
+        idx = (torch.arange(41, device=x0.device) * 2 % 41).view(41)
+        return torch.softmax(x0, -1), torch.gather(v0, 0, idx), v0
+    with _max_block(8):
+        reports = check_program_fn(f, [x0])
+    assert not leftover_aten(reports)
+
+
 # Fixed: compiling raised KeyError in passes/partition.py: the producer recomputed in the
 # transposed consumer's kernel read the amax, which the reduction's kernel did not write.
 def test_regression_recomputed_producer_reads_reduction_of_other_group():
