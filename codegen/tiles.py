@@ -158,9 +158,10 @@ def _sector_side(accesses, unit) -> int:
 def _third_dim(accesses, size: dict, x, y, total: int):
     """(Z, X's side, Z's side): a dim Z besides a tile's X and Y that accesses of at least
     1 / ``MIN_SHARE`` of the bytes walk contiguously while stepping along X or Y (each element
-    of a [Y, X] tile then its own sector), and a sector of X and of Z; or None. Mamba2's backward (transformers 5.17, 8 x 1024 at 4 x 1024)
-    multiplies a [.., l, s, h] operand (h contiguous) into [.., h, l, s] outputs beside two
-    operands read transposed along (s, l): 805 MB, each kernel file alone on the H100
+    of a [Y, X] tile then its own sector), and a sector of X and of Z; or None. Mamba2's
+    backward (transformers 5.17, 8 x 1024 at 4 x 1024) multiplies a [.., l, s, h] operand (h
+    contiguous) into [.., h, l, s] outputs beside two operands read transposed along (s, l):
+    805 MB, each kernel file alone on the H100
     (benchmarks/kernel_files.py, session 70, outputs identical), us: tiled over (l, s) 416,
     this tile of [16, 8, 8] (l, s, h) on 4 warps 384; hand-written [32, 8, 8] on 8 warps 370,
     [16, 8, 32] 389, [8, 8, 32] 404-422, [8, 8, 8] 404 (the floor: 267). Z, X and Y each
