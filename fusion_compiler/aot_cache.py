@@ -29,6 +29,10 @@ stored (torch then bypasses the cache for that graph, compiling as before) where
 has dynamic shapes (the passes read size hints a fresh ShapeEnv would not have) or does not
 pickle.
 
+torch's ``save`` is wrapped while the backend compiles (``_storable``): an output that
+aot_autograd rebuilds by replaying an ``_unsafe_view`` or ``resize_`` ViewMeta is stored without
+that sequence, since those two pickle their shape from freed memory (pytorch#185630).
+
 The backward graph is compiled with the forward (``force_non_lazy_backward_lowering``) rather
 than at the first backward call, because torch writes the entry when both are compiled and
 only inside ``context()`` is it told to keep our ``OutputCode`` whole. Off with
@@ -96,6 +100,8 @@ def available() -> str | None:
     for owner, name in ((AOTAutogradCache, "_get_tmp_dir"), (_torch_cache, "autograd_cache_key")):
         if not hasattr(owner, name):
             return f"torch's AOTAutograd cache has no {name}"
+    if not isinstance(AOTAutogradCache.__dict__.get("save"), staticmethod):
+        return "torch's AOTAutogradCache.save is not a static method"
     return None
 
 
@@ -376,6 +382,35 @@ def compiler(kind: str, finish: Callable, static_inputs: Callable[[], list]):
     return SerializableAOTDispatchCompiler(FusionOutputCode, compile_fn)
 
 
+# ViewMeta classes whose pickled state is corrupt in torch up to 2.13 (pytorch#185630: their
+# shape fields are references to freed vectors): a stored entry replays such an output view with
+# a garbage shape. Without its sequence, aot_autograd rebuilds that output from its base's
+# layout (as_strided), as it does for views of symbolic sizes
+_CORRUPT_VIEW_METAS = frozenset({"_unsafe_view_ViewMeta", "resize__ViewMeta"})
+
+
+def _corrupt_views(info) -> bool:
+    sequence = getattr(info, "view_meta_sequence", None)
+    return sequence is not None and any(type(meta).__name__ in _CORRUPT_VIEW_METAS
+                                        for meta in sequence.sequence)
+
+
+def _storable(entry):
+    """``entry`` as it may be pickled: a copy without the view sequences of its outputs that
+    would not survive pickling (``_CORRUPT_VIEW_METAS``); ``entry`` itself where none has one.
+    The entry stays as it is: this process goes on running it."""
+    meta = getattr(entry, "runtime_metadata", None)
+    infos = getattr(meta, "output_info", None) or []
+    if not any(_corrupt_views(info) for info in infos):
+        return entry
+    meta = copy.copy(meta)
+    meta.output_info = [dataclasses.replace(info, view_meta_sequence=None)
+                        if _corrupt_views(info) else info for info in infos]
+    entry = copy.copy(entry)
+    entry.runtime_metadata = meta
+    return entry
+
+
 @contextlib.contextmanager
 def context(folder: Path, finish: Callable, on_miss: Callable[[], None] | None = None):
     """aot_autograd, inside this, reads and writes the backend's entries in ``folder``;
@@ -386,13 +421,17 @@ def context(folder: Path, finish: Callable, on_miss: Callable[[], None] | None =
     miss_token = _on_miss.set(on_miss)
     saved_dir = AOTAutogradCache.__dict__["_get_tmp_dir"]
     saved_key = _torch_cache.autograd_cache_key
+    saved_save = AOTAutogradCache.__dict__["save"]
     AOTAutogradCache._get_tmp_dir = classmethod(lambda cls: str(folder))
+    AOTAutogradCache.save = staticmethod(
+        lambda key, entry, remote: saved_save.__func__(key, _storable(entry), remote))
     _torch_cache.autograd_cache_key = _key
     try:
         with functorch_config.patch(**dict.fromkeys(_CONFIG_FLAGS, True)):
             yield
     finally:
         AOTAutogradCache._get_tmp_dir = saved_dir
+        AOTAutogradCache.save = saved_save
         _torch_cache.autograd_cache_key = saved_key
         _finish.reset(token)
         _on_miss.reset(miss_token)
