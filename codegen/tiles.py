@@ -277,7 +277,10 @@ ROW_ELEMS_MAX = 8192    # elements a program at most (launch.STRIDED_ELEMS)
 # at most ``ROW_SECTOR_ELEMS`` elements, on at least ``ROW_SECTOR_WARPS`` warps. Loads along Y
 # keep ``ROW_MIN_YT``: the row kernel reading G along h ran 225 at 8 x 4, 204 at 8 x 8 (8 warps)
 # and 298-309 at 8 x 16 (kernel_files.py), 199 / 215 / 182 in benchmarks/row_tiles.py: no
-# rule in that.
+# rule in that. Session 72 (H100) tried a sector of Y for loads too (8 x 8 on 8 warps for fp32):
+# the light 537-MB segment-sum cumsum (32 ops) went from 348 to 269 us (8 x 4 on 8 or 16 warps:
+# 349, 351: the tile, not the warps), but the 806-MB one (66 ops, two cumsums, four stores) from
+# 742 to 1615, and the training step from 33313 / 33338 to 33560 / 33599 us: not taken.
 ROW_SECTOR_ELEMS = 16384
 ROW_SECTOR_WARPS = 8
 
