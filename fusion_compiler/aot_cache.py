@@ -401,11 +401,14 @@ def _storable(entry):
     The entry stays as it is: this process goes on running it."""
     meta = getattr(entry, "runtime_metadata", None)
     infos = getattr(meta, "output_info", None) or []
-    if not any(_corrupt_views(info) for info in infos):
+    corrupt = [k for k, info in enumerate(infos) if _corrupt_views(info)]
+    if not corrupt:
         return entry
+    log.debug("fusion-compiler: AOT cache entry keeps outputs %s without their view replay "
+              "(pytorch#185630)", corrupt)
     meta = copy.copy(meta)
     meta.output_info = [dataclasses.replace(info, view_meta_sequence=None)
-                        if _corrupt_views(info) else info for info in infos]
+                        if k in corrupt else info for k, info in enumerate(infos)]
     entry = copy.copy(entry)
     entry.runtime_metadata = meta
     return entry
