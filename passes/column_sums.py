@@ -33,6 +33,7 @@ import torch
 from ..decompositions import splits
 from ..slices import dense_order
 from .pad_gemm import _val, contiguous, emit
+from .shapes import mergeable
 
 aten = torch.ops.aten
 
@@ -40,11 +41,6 @@ aten = torch.ops.aten
 MARK = "fc_column_sum"
 
 
-def mergeable(x: torch.Tensor, first: int, last: int) -> bool:
-    """Whether dimensions ``first`` .. ``last - 1`` of ``x`` (static strides) are a view of one
-    dimension: each one's stride is the next one's times its size, sizes of 1 aside."""
-    return all(x.shape[d] == 1 or x.shape[d + 1] == 1
-               or x.stride(d) == x.stride(d + 1) * x.shape[d + 1] for d in range(first, last - 1))
 
 
 def _leading(node):

@@ -53,6 +53,7 @@ from torch.fx.node import map_arg
 
 from .index_rows import wrap_negative
 from .pad_gemm import emit
+from .shapes import mergeable
 
 aten = torch.ops.aten
 log = logging.getLogger("fusion_compiler")
@@ -363,8 +364,7 @@ def _constant_picks(gm, values: dict) -> None:
             continue
         d, m = at[0], len(at)
         sizes = xv.shape[d:d + m]
-        if any(xv.stride(k) != xv.stride(k + 1) * xv.shape[k + 1]
-               for k in range(d, d + m - 1) if xv.shape[k] > 1):
+        if not mergeable(xv, d, d + m):
             continue                        # the dims do not merge in a view
         with torch.utils._python_dispatch._disable_current_modes():
             try:

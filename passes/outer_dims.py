@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..decompositions import lead_and_trail, reduced_last
-from .column_sums import mergeable
+from .shapes import mergeable
 from .pad_gemm import emit
 from .trailing_dims import reduced, unfit
 

@@ -29,6 +29,17 @@ def static_layout(value) -> tuple | None:
     return sizes, strides, offset, value.dtype, value.device
 
 
+def mergeable(x: torch.Tensor, first: int, last: int) -> bool:
+    """Whether dimensions ``first`` .. ``last - 1`` of ``x`` (static strides) are a view of one
+    dimension: each one's stride is the next one's times its size, where dims of size 1 (any
+    stride) are left out and the dims around them compared. A fuzzer's find: [2500, 1, 3] of
+    strides (6, 3, 1) passed as one dim when each pair was compared with its neighbour; the view
+    a pass then emitted got wrong strides from torch's Python view (aot_autograd's cold
+    compile) and raised in a process that loaded the graph from the AOT cache."""
+    dims = [d for d in range(first, last) if x.shape[d] != 1]
+    return all(x.stride(a) == x.stride(b) * x.shape[b] for a, b in zip(dims, dims[1:]))
+
+
 def fake_of_layout(mode, sizes, strides, offset, dtype, device):
     """A fake tensor of ``mode`` with this layout (int sizes, strides and storage offset): a meta
     tensor over a storage just long enough, wrapped as ``FakeTensor`` does (12 us on the CPU;

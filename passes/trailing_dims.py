@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .column_sums import mergeable
+from .shapes import mergeable
 from .pad_gemm import _val, emit
 
 aten = torch.ops.aten

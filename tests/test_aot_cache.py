@@ -220,6 +220,67 @@ def test_a_loaded_entry_rebuilds_a_view_of_an_unsafe_view(cache_dir, device, dty
                      name="input grad")
 
 
+# sums (and a pick) over dims with one of size 1 among them, of inputs whose other reduced dims
+# do not merge: [8, 1, 30, 5] of strides (5, *, 40, 1), [6, 3, 1, 8] of (24, 1, *, 3)
+SIZE_ONE_SUMS = {
+    "leading": (lambda x: (x * 2).sum([0, 1, 2]),
+                lambda: torch.randn(30, 8, 5).transpose(0, 1).unsqueeze(1)),
+    "trailing": (lambda x: (x * 2).sum([-3, -2, -1]),
+                 lambda: torch.randn(6, 8, 3).transpose(1, 2).unsqueeze(2)),
+    "outer": (lambda x: (x * 2).sum([0, 2, 3, 4]),
+              lambda: torch.randn(5, 4, 8, 3).transpose(2, 3).unsqueeze(3)),
+    "picks": (lambda x: picks(x) * 2, lambda: torch.randn(48).as_strided((2, 4, 1, 3),
+                                                                           (24, 6, 6, 1))),
+}
+
+
+def picks(x):
+    """``x[:, i, j, k]`` by constant index tensors on dims of sizes 4, 1, 3 and strides 6, 6,
+    1 (passes/constant_fold.py's picks merge such dims where their strides allow)."""
+    i = torch.arange(4, device=x.device)[:, None, None]
+    j = torch.zeros(1, 1, 1, dtype=torch.long, device=x.device)
+    k = (torch.arange(3, device=x.device) * 2 % 3)[None, None, :]
+    return x[:, i, j, k]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("form", sorted(SIZE_ONE_SUMS))
+def test_dims_that_do_not_merge_around_a_size_one_dim_are_kept_apart(cache_dir, device, dtype,
+                                                                     grad, form):
+    """The passes merged reduced (or picked) dims around one of size 1 without comparing their
+    strides (a fuzzer's find): the view they emitted got wrong strides from torch's Python view
+    in the cold compile, and raised where a loaded graph was compiled, so every later process
+    missed the cache (a bypass). Both compiles now keep such dims apart: the second loads the
+    graphs, runs the same kernels, and matches eager."""
+    fn, make = SIZE_ONE_SUMS[form]
+    x = make().to(device=device, dtype=dtype)
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        leaf = x.detach().requires_grad_(grad)
+        with fusion_compiler.capture_compiles() as reports:
+            out = torch.compile(fn, backend="fusion", fullgraph=True)(leaf)
+        if grad:
+            (out.float() * torch.arange(out.numel(), device=device).view(out.shape)).sum() \
+                .backward()
+        runs.append((out, leaf.grad, reports, cache_events()))
+    assert runs[0][3] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+    assert runs[1][3] == {"autograd_cache_hit": 1}
+    assert kernel_count(runs[1][2]) == kernel_count(runs[0][2]) > 0
+    assert [r.error for r in runs[0][2] + runs[1][2]] == [""] * (len(runs[0][2]) * 2)
+    leaf = x.detach().requires_grad_(grad)
+    want = fn(leaf)
+    if grad:
+        (want.float() * torch.arange(want.numel(), device=device).view(want.shape)).sum() \
+            .backward()
+    for out, x_grad, _, _ in runs:
+        assert_close(out.detach(), want.detach(), dtype=dtype, rtol=TOL[dtype][1] * 4)
+        if grad:
+            assert torch.equal(x_grad, leaf.grad)     # a broadcast of the weights, times 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_inference_graph_is_kept_and_loaded(cache_dir, device, dtype):
     """Under no_grad aot_autograd makes one inference graph; a second compile loads it and
