@@ -41,8 +41,6 @@ aten = torch.ops.aten
 MARK = "fc_column_sum"
 
 
-
-
 def _leading(node):
     """(x, k, why) where ``node`` is a plain sum of a float tensor ``x`` over its first k
     dimensions (k < rank): ``why`` is None where the rewrite applies (static sizes, the k

@@ -28,8 +28,8 @@ import math
 import torch
 
 from ..decompositions import lead_and_trail, reduced_last
-from .shapes import mergeable
 from .pad_gemm import emit
+from .shapes import mergeable
 from .trailing_dims import reduced, unfit
 
 aten = torch.ops.aten
