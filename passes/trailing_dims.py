@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from .shapes import mergeable
 from .pad_gemm import _val, emit
+from .shapes import mergeable
 
 aten = torch.ops.aten
 
