@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from .pad_gemm import emit
+from .pad_gemm import contiguous, emit
 from .trailing_dims import as_rows, reduced, unfit
 
 aten = torch.ops.aten
@@ -58,6 +58,8 @@ def _middle(node):
     if why is None and not _as_rows(x, d) and x.shape[d] > UNROLL:
         why = (f"its rows lie side by side in runs under {RUN} elements, and it reduces over "
                f"more than {UNROLL}")
+    if why is None and not _as_rows(x, d) and not node.meta["val"].is_contiguous():
+        why = "its result is not contiguous"
     return x, d, why
 
 
@@ -85,10 +87,14 @@ def _unrolled(gm, node, x, d) -> None:
             out = emit(gm, COMBINE[node.target], (out, part), mode)
         if node.target is aten.mean.dim:
             out = emit(gm, aten.div.Tensor, (out, k), mode)
-        elif k == 1 and not wide:   # one slice: a new tensor, as the reduction's, not a view
-            out = emit(gm, aten.clone.default, (out,), mode)
         if wide:
             out = emit(gm, prims.convert_element_type.default, (out, x.dtype), mode)
+        # in the reduction's layout, contiguous (``_middle``), not the slices': a graph's
+        # output keeps the trace's strides, which the backward reads a saved value by (a
+        # fuzzer's find: [4, 3, 5] of strides (1, 4, 12), its mean over dim 1 returned and
+        # saved for a product's gradient, (1, 20, 4) against (5, 5, 1): a wrong gradient).
+        # Also a new tensor where one slice is all there is, not a view
+        out = contiguous(gm, out)
         shape = list(node.meta["val"].shape)
         if list(out.meta["val"].shape) != shape:
             out = emit(gm, aten.view.default, (out, shape), mode)

@@ -148,9 +148,40 @@ def test_a_small_middle_dim_in_short_runs_is_added_elementwise(k, op, keepdim, d
     ops = [o.split(".")[1] for o in reports[0].kernels[0]["ops"]]
     assert not {"sum", "mean", "amax", "amin"} & set(ops), ops      # the slices combined
     want = f(x)
-    assert out.shape == want.shape
+    assert out.shape == want.shape and out.is_contiguous() and want.is_contiguous()
     assert_close(out, want, dtype=dtype)
     assert torch.isnan(out.reshape(3, 5, 7, 11)[1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_small_middle_dim_sum_is_saved_in_the_traced_layout(dtype, device):
+    """The mean over dim 1 of a [4, 3, 5] input of strides (1, 4, 12), returned and saved for
+    a product's gradient: the slices combined were written in their own layout, (1, 20, 4),
+    where the trace (and eager) has (5, 5, 1), and the backward, reading the saved value by
+    the trace's strides, got the weight's gradient wrong by up to 1.8 (a fuzzer's find). Now
+    in the trace's layout: eager's strides and gradients."""
+    x = randn((5, 3, 4), dtype, device).permute(2, 1, 0)
+    w = randn((4, 1, 5), dtype, device)
+
+    def f(x, w):
+        y = x.mean(1, keepdim=True)
+        return (y * w).tanh(), y
+
+    def step(fn):
+        leaves = [t.detach().requires_grad_() for t in (x, w)]
+        outs = fn(*leaves)
+        sum((o.float() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        return outs, [t.grad for t in leaves]
+    torch._dynamo.reset()
+    with fusion_compiler.capture_compiles() as reports:
+        outs, grads = step(torch.compile(f, backend="fusion"))
+    want, want_grads = step(f)
+    assert kernel_count(reports) >= 2 and leftover_aten(reports, "forward") == []
+    for out, ref in zip(outs, want):
+        assert out.stride() == ref.stride() == (5, 5, 1)
+        assert_close(out.detach(), ref.detach(), dtype=dtype)
+    for got, ref, name in zip(grads, want_grads, ("x", "w")):
+        assert_close(got, ref, dtype=dtype, name=f"grad of {name}")
 
 
 def test_a_reduction_over_one_element_is_a_new_tensor(device):
