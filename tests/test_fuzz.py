@@ -1091,10 +1091,13 @@ def check_gradients(prog: Program):
                          name=f"{name} ({run_name})")
     for name, a, b in zip(prog.outputs, warm[0], actual):
         assert a.shape == b.shape and a.stride() == b.stride(), f"{name}: warm layout"
+    # the same kernels: bit-equal gradients, but on CUDA ATen's scatter-based backwards (of
+    # cummax, gather) add with atomics in any order, eager's too: there a few ulps of the largest
     for x, y in zip(warm[1], ours):
         assert (x.grad is None) == (y.grad is None)
         if x.grad is not None:
-            assert_close(x.grad, y.grad, atol=0, rtol=0, name="warm gradient")
+            ulps = 0.0 if x.grad.device.type == "cpu" else 64 * UNIT[torch.float32]
+            assert_close(x.grad, y.grad, atol=ulps * _mx(y.grad), rtol=0, name="warm gradient")
     if any(op.compute for op in prog.live_ops()):      # else the outputs may alias the inputs
         assert {r.kind for r in reports} >= {"forward", "backward"}, [r.kind for r in reports]
     errors = [(r.kind, r.error) for r in reports if r.error]
