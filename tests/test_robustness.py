@@ -576,6 +576,51 @@ def test_compiler_error_falls_back_to_aten_without_strict(device, monkeypatch):
         assert not reports[0].ran_kernels and reports[0].aten_ops
 
 
+def _mean_saved(x, w):
+    """A mean over a small middle dim (passes/middle_dims.py's elementwise slices), returned and
+    saved for the product's gradient."""
+    y = x.mean(1, keepdim=True)
+    return (y * w).tanh(), y
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warned", "strict"])
+def test_an_output_a_pass_left_in_other_strides_is_put_back(strict, device, monkeypatch,
+                                                            caplog):
+    """A rewrite that leaves an output in other strides than the trace's (middle_dims' old bug,
+    put back here: its result in the slices' layout) is a pass's bug. Under
+    FUSION_COMPILER_STRICT the compile raises, naming the output and both strides; else a
+    warning, and the output is copied into the traced layout in the kernel that makes it:
+    eager's strides and gradients, where the backward read the saved value wrong before."""
+    from fusion_compiler.passes import middle_dims
+    monkeypatch.setenv("FUSION_COMPILER_STRICT", "1" if strict else "0")
+    monkeypatch.setattr(middle_dims, "contiguous", lambda gm, x: x)
+    x = torch.randn(5, 3, 4, device=device).permute(2, 1, 0)
+    w = torch.randn(4, 1, 5, device=device)
+
+    def step(fn):
+        leaves = [t.detach().requires_grad_() for t in (x, w)]
+        outs = fn(*leaves)
+        sum((o * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        return outs, [t.grad for t in leaves]
+    torch._dynamo.reset()
+    if strict:
+        with pytest.raises(Exception, match=r"output 1 \(view_default\) left the ATen passes in "
+                                            r"strides \(1, 20, 4\), the trace's \(5, 5, 1\)"):
+            step(torch.compile(_mean_saved, backend="fusion"))
+        return
+    with fusion_compiler.capture_compiles() as reports:
+        outs, grads = step(torch.compile(_mean_saved, backend="fusion"))
+    assert "copied into them (a bug: please report it)" in caplog.text
+    assert [(r.kind, r.error, kernel_count([r])) for r in reports] == [
+        ("forward", "", 1), ("backward", "", 2)] and leftover_aten(reports) == []
+    want, want_grads = step(_mean_saved)
+    for out, ref in zip(outs, want):
+        assert out.stride() == ref.stride() == (5, 5, 1)
+        assert_close(out.detach(), ref.detach())
+    for got, ref in zip(grads, want_grads):
+        assert_close(got, ref)
+
+
 def test_a_pass_failing_after_rewrites_runs_the_rewritten_graph(device, monkeypatch):
     """The passes rewrite the graph and leave its code to the backend: when one fails after
     others have rewritten the graph (a constant folded, a duplicate removed), the ATen graph
