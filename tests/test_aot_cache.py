@@ -165,6 +165,35 @@ def infer(model, x, **compile_args):
     return out, reports
 
 
+def cold_then_warm(fn, x, grad: bool, loss) -> list:
+    """[(outputs, x's gradient, reports)] of two compiles of ``fn`` on x (a leaf that requires
+    grad where ``grad``, ``loss`` of the outputs backpropagated), each after
+    ``dynamo.reset()``: the first saves aot_autograd's entry, the second loads it and runs as
+    many kernels."""
+    runs = []
+    for events in ({"autograd_cache_miss": 1, "autograd_cache_saved": 1},
+                   {"autograd_cache_hit": 1}):
+        torch._dynamo.reset()
+        counters.clear()
+        leaf = x.detach().requires_grad_(grad)
+        with fusion_compiler.capture_compiles() as reports:
+            outs = torch.compile(fn, backend="fusion", fullgraph=True)(leaf)
+        if grad:
+            loss(outs).backward()
+        assert cache_events() == events
+        runs.append((outs, leaf.grad, reports))
+    assert kernel_count(runs[1][2]) == kernel_count(runs[0][2]) > 0
+    return runs
+
+
+def weighted_sum(outs):
+    return sum((o.float() * (k + 1)).sum() for k, o in enumerate(outs))
+
+
+def ramp_sum(out):
+    return (out.float() * torch.arange(out.numel(), device=out.device).view(out.shape)).sum()
+
+
 def flattened_views(x):
     """A copy of a strided input (reshape of a transpose: clone + ``_unsafe_view``) returned
     with a view of it: aot_autograd rebuilds the view from the copy by replaying its views."""
@@ -190,23 +219,11 @@ def test_a_loaded_entry_rebuilds_a_view_of_an_unsafe_view(cache_dir, device, dty
     '[94098577407092]' is invalid", found by the fuzzer). The entry is stored without that
     sequence, and the loaded graph rebuilds the view from its base's layout."""
     x = torch.randn(shape, device=device, dtype=dtype)
-    runs = []
-    for _ in range(2):
-        torch._dynamo.reset()
-        counters.clear()
-        leaf = x.detach().requires_grad_(grad)
-        with fusion_compiler.capture_compiles() as reports:
-            outs = torch.compile(fn, backend="fusion", fullgraph=True)(leaf)
-        if grad:
-            sum((o.float() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
-        runs.append((outs, leaf.grad, reports, cache_events()))
-    assert runs[0][3] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
-    assert runs[1][3] == {"autograd_cache_hit": 1}
-    assert kernel_count(runs[1][2]) == kernel_count(runs[0][2]) > 0
+    runs = cold_then_warm(fn, x, grad, weighted_sum)
     leaf = x.detach().requires_grad_(grad)
     ref = fn(leaf)
     if grad:
-        sum((o.float() * (k + 1)).sum() for k, o in enumerate(ref)).backward()
+        weighted_sum(ref).backward()
     outs, x_grad = runs[1][0], runs[1][1]
     for k, (out, want) in enumerate(zip(outs, ref)):
         assert out.shape == want.shape and out.stride() == want.stride(), k
@@ -255,27 +272,13 @@ def test_dims_that_do_not_merge_around_a_size_one_dim_are_kept_apart(cache_dir, 
     graphs, runs the same kernels, and matches eager."""
     fn, make = SIZE_ONE_SUMS[form]
     x = make().to(device=device, dtype=dtype)
-    runs = []
-    for _ in range(2):
-        torch._dynamo.reset()
-        counters.clear()
-        leaf = x.detach().requires_grad_(grad)
-        with fusion_compiler.capture_compiles() as reports:
-            out = torch.compile(fn, backend="fusion", fullgraph=True)(leaf)
-        if grad:
-            (out.float() * torch.arange(out.numel(), device=device).view(out.shape)).sum() \
-                .backward()
-        runs.append((out, leaf.grad, reports, cache_events()))
-    assert runs[0][3] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
-    assert runs[1][3] == {"autograd_cache_hit": 1}
-    assert kernel_count(runs[1][2]) == kernel_count(runs[0][2]) > 0
+    runs = cold_then_warm(fn, x, grad, ramp_sum)
     assert [r.error for r in runs[0][2] + runs[1][2]] == [""] * (len(runs[0][2]) * 2)
     leaf = x.detach().requires_grad_(grad)
     want = fn(leaf)
     if grad:
-        (want.float() * torch.arange(want.numel(), device=device).view(want.shape)).sum() \
-            .backward()
-    for out, x_grad, _, _ in runs:
+        ramp_sum(want).backward()
+    for out, x_grad, _ in runs:
         assert_close(out.detach(), want.detach(), dtype=dtype, rtol=TOL[dtype][1] * 4)
         if grad:
             assert torch.equal(x_grad, leaf.grad)     # a broadcast of the weights, times 2
