@@ -1354,8 +1354,9 @@ def _cumsum_program(x0):
 
 # Open (session 73, found by fuzzing on an H100; not reduced: no device time was left): this
 # program's gradient of x0 was wrong on the GPU, 38 of 216 elements, by up to 9.3e5 (-691424
-# where eager has 0.94), alike in a second compile; right in the interpreter. Its backward has
-# two row kernels over rows of 2 (the transposed input's last dim) with a reverse cumsum.
+# where eager has 0.94), alike in a second compile; right in the interpreter. Its backward
+# takes the cumsum's gradient in a row kernel over rows of 2 (the transposed input's last dim):
+# a reverse cumsum.
 @pytest.mark.xfail(DEVICE == "cuda", strict=True, reason="bug: a wrong gradient on the GPU")
 def test_regression_gradient_of_a_cumsum_program_on_the_gpu():
     x0 = make_tensor((9, 12, 2), torch.float32, layout="transposed", scale=3.0, seed=0)
