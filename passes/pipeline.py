@@ -42,9 +42,10 @@ def analyze(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 
 
 def _output_strides(gm) -> list:
-    """(sizes, strides) of each output of ``gm`` that has static ones; None for the others."""
-    out = []
-    for arg in gm.graph.output_node().args[0]:
+    """(sizes, strides) of each output of ``gm`` that has static ones; None for the others
+    (and no outputs where the graph does not return a tuple, as aot_autograd's do)."""
+    out, outputs = [], gm.graph.output_node().args[0]
+    for arg in outputs if isinstance(outputs, (tuple, list)) else ():
         layout = shapes.static_layout(arg.meta.get("val")) \
             if isinstance(arg, torch.fx.Node) else None
         out.append(None if layout is None else layout[:2])
@@ -64,8 +65,11 @@ def _keep_output_layouts(gm, traced: list, ctx) -> None:
     slices' layout: a wrong gradient). A pass's bug, so it raises under
     FUSION_COMPILER_STRICT; else a warning, and the output is copied into the traced layout
     (a permute of a contiguous copy), which its kernel may write directly."""
+    now_strides = _output_strides(gm)
+    if now_strides == traced:
+        return
     outputs = list(gm.graph.output_node().args[0])
-    for k, (now, then) in enumerate(zip(_output_strides(gm), traced)):
+    for k, (now, then) in enumerate(zip(now_strides, traced)):
         if now is None or then is None or _addressed(now) == _addressed(then):
             continue
         why = (f"output {k} ({outputs[k].name}) left the ATen passes in strides {now[1]}, "
@@ -86,7 +90,7 @@ def _keep_output_layouts(gm, traced: list, ctx) -> None:
             raise AssertionError(why + " (no dense copy has those)")
         log.warning("fusion-compiler: %s; copied into them (a bug: please report it)", why)
         outputs[k] = fixed
-    gm.graph.output_node().args = (tuple(outputs),)
+        gm.graph.output_node().args = (type(gm.graph.output_node().args[0])(outputs),)
 
 
 def compile_graph(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
